@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     index_use_gpu: Literal["auto", "yes", "no"] = "auto"
     default_top_k: int = Field(5, ge=1, le=100)
     default_candidates: int = Field(50, ge=1, le=1000)
+    ingest_workers: int = Field(1, ge=1, le=64)
+    ingest_queue_size: int = Field(64, ge=1)
 
     # engine
     load_llm: bool = True
@@ -99,6 +101,10 @@ class Settings(BaseSettings):
     @property
     def index_dir(self) -> Path:
         return self.data_dir / "index"
+
+    @property
+    def index_path(self) -> Path:
+        return self.index_dir / "chunks.faiss"
 
     @property
     def cache_dir(self) -> Path:

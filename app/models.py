@@ -1,0 +1,93 @@
+"""SQLAlchemy 2 ORM models: collections, documents and their chunks.
+
+A chunk's primary key is also its FAISS vector id, so it must be a 64-bit integer everywhere.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+DocumentStatus = Literal["pending", "processing", "ready", "failed"]
+DOCUMENT_STATUSES: tuple[str, ...] = ("pending", "processing", "ready", "failed")
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware, in UTC."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base whose metadata Alembic migrates."""
+
+
+class Collection(Base):
+    """A named group of documents; searches can be limited to one."""
+
+    __tablename__ = "collections"
+    __table_args__ = (UniqueConstraint("name", name="uq_collections_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Document(Base):
+    """One uploaded document; `status` moves pending -> processing -> ready | failed."""
+
+    __tablename__ = "documents"
+    __table_args__ = (UniqueConstraint("collection_id", "sha256", name="uq_documents_content"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    collection_id: Mapped[int] = mapped_column(
+        ForeignKey("collections.id", ondelete="RESTRICT"), index=True
+    )
+    title: Mapped[str] = mapped_column(String(500))
+    filename: Mapped[str | None] = mapped_column(String(500))
+    media_type: Mapped[str] = mapped_column(String(100))
+    num_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(20), index=True, default="pending")
+    error: Mapped[str | None] = mapped_column(Text)
+    # `metadata` is reserved by the declarative base, hence the attribute name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+    collection: Mapped[Collection] = relationship(lazy="joined")
+
+
+class Chunk(Base):
+    """A span of a document's extracted text; its id is the FAISS vector id."""
+
+    __tablename__ = "chunks"
+    __table_args__ = (UniqueConstraint("document_id", "ordinal", name="uq_chunks_ordinal"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    document_id: Mapped[int] = mapped_column(
+        ForeignKey("documents.id", ondelete="CASCADE"), index=True
+    )
+    ordinal: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    char_start: Mapped[int] = mapped_column(Integer)
+    char_end: Mapped[int] = mapped_column(Integer)
+    page: Mapped[int | None] = mapped_column(Integer)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    heading: Mapped[str | None] = mapped_column(Text)
