@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels._checks import (
     check_float,
     check_gqa,
+    check_head_dim,
     check_index,
     check_kv_cache,
     check_rank,
@@ -107,3 +110,146 @@ def extend_attention_reference(
         q_new = q[start : start + extend_len]
         out[start : start + extend_len] = _extend_one(q_new, k[0], v[0], prefix_len, scale)
     return out.to(q.dtype)
+
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    prefix_lens_ptr,
+    extend_lens_ptr,
+    cu_extend_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    block_size,
+    group,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    extend_len = tl.load(extend_lens_ptr + seq)
+    if tile_m * BLOCK_M >= extend_len:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + seq)
+    first_row = tl.load(cu_extend_ptr + seq).to(tl.int64)
+    kv_head = head // group
+
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    is_row = offs_m < extend_len
+    offs_q = (first_row + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + offs_q, mask=is_row[:, None], other=0.0)
+    query_pos = prefix_len + offs_m
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # The new tokens' K/V are already in the cache, so prefix and new keys come through one table;
+    # the causal mask is a no-op on the prefix, where every key precedes every query.
+    end = prefix_len + tl.minimum((tile_m + 1) * BLOCK_M, extend_len)
+    for tile_start in range(0, end, BLOCK_N):
+        offs_pos = tile_start + offs_n
+        is_key = offs_pos < end
+        block_ids = tl.load(table + offs_pos // block_size, mask=is_key, other=0).to(tl.int64)
+        offs_kv = (
+            block_ids[:, None] * stride_cb
+            + (offs_pos % block_size)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + offs_d[None, :]
+        )
+        k = tl.load(k_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        is_visible = is_key[None, :] & (offs_pos[None, :] <= query_pos[:, None])
+        scores = tl.where(is_visible, scores, float("-inf"))
+        # The first tile holds key 0, visible to every row, so row_max is finite from then on.
+        m_new = tl.maximum(row_max, tl.max(scores, axis=1))
+        alpha = tl.exp2(row_max - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = m_new
+
+    o = acc / row_sum[:, None]
+    offs_o = (first_row + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + offs_o, o.to(out_ptr.dtype.element_ty), mask=is_row[:, None])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    cu_extend: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton: the attention of :func:`extend_attention_reference` for a packed batch.
+
+    One program per (query tile, query head, sequence) streams that sequence's prefix and new keys
+    through its block table with an online softmax. The lengths must agree with each other and
+    the table must cover prefix_lens + extend_lens; that is not checked on the device.
+    """
+    _check_extend_args(q, k_cache, v_cache, block_tables, prefix_lens, extend_lens, cu_extend)
+    _, block_size, _, head_dim = k_cache.shape
+    check_head_dim(head_dim)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    num_tokens, num_q_heads, _ = q.shape
+    out = torch.empty_like(q)
+    batch = block_tables.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    on_gpu = q.device.type == "cuda"
+    block_m = 64 if on_gpu else 16
+    # One host sync sizes the grid; tiles past a sequence's own length exit at once.
+    max_extend = int(extend_lens.max())
+    grid = (triton.cdiv(max_extend, block_m), num_q_heads, batch)
+    _extend_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        prefix_lens,
+        extend_lens,
+        cu_extend,
+        out,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        block_size,
+        num_q_heads // k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if on_gpu else 16,
+        num_warps=4 if head_dim <= 64 else 8,
+        num_stages=2,
+    )
+    return out
