@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels._checks import check_float, check_index, check_rank, check_same_device
 
@@ -109,3 +111,93 @@ def apply_rope_reference_(
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
     _rotate_(q, cos, sin)
     _rotate_(k, cos, sin)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    row,
+    stride_t,
+    stride_h,
+    num_heads,
+    half,
+    cos,
+    sin,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_HEADS)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < num_heads)[:, None] & (offs_d < half)[None, :]
+    first = x_ptr + row * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    is_col = offs_d < half
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=is_col, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d, mask=is_col, other=0.0)
+    cos, sin = cos[None, :], sin.to(tl.float32)[None, :]
+    _rotate_heads(
+        q_ptr, row, stride_qt, stride_qh, num_q_heads, half, cos, sin, BLOCK_Q_HEADS, BLOCK_HALF
+    )
+    _rotate_heads(
+        k_ptr, row, stride_kt, stride_kh, num_kv_heads, half, cos, sin, BLOCK_KV_HEADS, BLOCK_HALF
+    )
+
+
+def apply_rope_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Triton: rotate q [T, Hq, D] and k [T, Hkv, D] in place, as :func:`apply_rope_reference_`.
+
+    One program per token rotates all its heads. Positions must index cos_sin_cache; that is not
+    checked on the device.
+    """
+    _check_rope_args(q, k, positions, cos_sin_cache)
+    if any(t.stride(-1) != 1 for t in (q, k, cos_sin_cache)):
+        raise ValueError("q, k and cos_sin_cache must be contiguous in their last dim")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        k.shape[1],
+        half,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
