@@ -1,0 +1,155 @@
+"""The `prefixrag` command line. Each command is a `register(subparsers)` function in COMMANDS;
+a feature adds its own by appending one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings, get_settings
+
+Subparsers = Any  # argparse's _SubParsersAction is private
+Registrar = Callable[[Subparsers], None]
+
+INGESTIBLE_SUFFIXES = frozenset({".txt", ".text", ".md", ".markdown", ".html", ".htm", ".pdf"})
+
+
+def register_serve(subparsers: Subparsers) -> None:
+    """`serve --host H --port P`: migrate the database, then serve the API with uvicorn."""
+    parser = subparsers.add_parser("serve", help="migrate the database and serve the API")
+    parser.add_argument("--host", default=None, help="default: PREFIXRAG_HOST or 127.0.0.1")
+    parser.add_argument("--port", type=int, default=None, help="default: PREFIXRAG_PORT or 8000")
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    from app.db import upgrade_db
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_db(settings.resolved_database_url)
+    uvicorn.run(
+        "app.main:create_app",
+        factory=True,
+        host=args.host or settings.host,
+        port=args.port or settings.port,
+    )
+    return 0
+
+
+def register_db(subparsers: Subparsers) -> None:
+    """`db upgrade [REV]` and `db downgrade REV`: run the Alembic migrations."""
+    parser = subparsers.add_parser("db", help="database migrations")
+    actions = parser.add_subparsers(dest="db_action", required=True)
+    upgrade = actions.add_parser("upgrade", help="apply migrations (default: up to head)")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    upgrade.set_defaults(handler=_db_upgrade)
+    downgrade = actions.add_parser("downgrade", help="revert migrations down to REVISION")
+    downgrade.add_argument("revision")
+    downgrade.set_defaults(handler=_db_downgrade)
+
+
+def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
+    from app.db import upgrade_db
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_db(settings.resolved_database_url, args.revision)
+    print(f"database upgraded to {args.revision}")
+    return 0
+
+
+def _db_downgrade(args: argparse.Namespace, settings: Settings) -> int:
+    from app.db import downgrade_db
+
+    downgrade_db(settings.resolved_database_url, args.revision)
+    print(f"database downgraded to {args.revision}")
+    return 0
+
+
+def register_ingest(subparsers: Subparsers) -> None:
+    """`ingest PATH... [--collection C] [--title T]`: ingest files and folders (recursive)."""
+    parser = subparsers.add_parser("ingest", help="ingest files and folders (recursively)")
+    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("--collection", default="default")
+    parser.add_argument("--title", default=None, help="title for every file (default: its own)")
+    parser.set_defaults(handler=_ingest)
+
+
+def _ingest(args: argparse.Namespace, settings: Settings) -> int:
+    from app.ingest_batch import ingest_files
+
+    files = list(collect_files(args.paths))
+    if not files:
+        print("no ingestible files found")
+        return 1
+    report = ingest_files(settings, files, collection=args.collection, title=args.title)
+    print(report.summary())
+    return 1 if report.num_failed else 0
+
+
+def collect_files(paths: Sequence[Path]) -> Iterator[Path]:
+    """Named files as given, plus every file of a supported type under named folders, sorted."""
+    for path in paths:
+        if path.is_dir():
+            found = (p for p in path.rglob("*") if p.is_file())
+            yield from sorted(p for p in found if p.suffix.lower() in INGESTIBLE_SUFFIXES)
+        else:
+            yield path
+
+
+def register_index(subparsers: Subparsers) -> None:
+    """`index rebuild`: re-embed every ready chunk into a fresh vector index."""
+    parser = subparsers.add_parser("index", help="vector index maintenance")
+    actions = parser.add_subparsers(dest="index_action", required=True)
+    rebuild = actions.add_parser("rebuild", help="rebuild the vector index from the database")
+    rebuild.set_defaults(handler=_index_rebuild)
+
+
+def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
+    from app.loaders import open_index
+    from app.services.index_sync import rebuild_index
+    from app.state import AppState
+
+    state = AppState(settings)
+    try:
+        state.load_all({"db", "embedder"})
+        state.require("db", "embedder")
+        if state.sessions is None or state.embedder is None:
+            return 1
+        num_vectors = rebuild_index(state.sessions, open_index(state), state.embedder)
+    finally:
+        state.close()
+    print(f"rebuilt the vector index: {num_vectors} vectors")
+    return 0
+
+
+COMMANDS: tuple[Registrar, ...] = (register_serve, register_db, register_ingest, register_index)
+
+
+def build_parser(commands: Sequence[Registrar] = COMMANDS) -> argparse.ArgumentParser:
+    """The argument parser with one subcommand per registrar."""
+    parser = argparse.ArgumentParser(prog="prefixrag", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for register in commands:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, settings: Settings | None = None) -> int:
+    """Run one command; returns its exit code (errors in the input exit with 2)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.handler(args, settings or get_settings())
+    except ValueError as exc:
+        print(f"prefixrag {args.command}: {exc}")
+        return 2
+    return code

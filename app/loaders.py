@@ -1,0 +1,119 @@
+"""The default component loaders: database, embedder, vector index (with its start-up check)
+and reranker. Each runs on the loader thread and fills in part of the AppState."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from app.db import make_engine, make_sessionmaker, upgrade_db
+from app.services.errors import NotReadyError
+from app.state import AppState, ComponentLoader
+
+if TYPE_CHECKING:
+    from retrieval.vector_index import VectorIndex
+
+logger = logging.getLogger(__name__)
+
+
+def default_loaders() -> list[ComponentLoader]:
+    """db, embedder, index (required) and reranker (optional), in dependency order."""
+    return [
+        ComponentLoader("db", load_db),
+        ComponentLoader("embedder", load_embedder),
+        ComponentLoader("index", load_index),
+        ComponentLoader("reranker", load_reranker, required=False),
+    ]
+
+
+def load_db(state: AppState) -> str | None:
+    """Connect and migrate to the newest schema (a no-op when already there)."""
+    url = state.settings.resolved_database_url
+    state.settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_db(url)
+    state.engine = make_engine(url)
+    state.sessions = make_sessionmaker(state.engine)
+    state.check_db()
+    return None
+
+
+def load_embedder(state: AppState) -> str | None:
+    """Load the sentence-transformers embedder unless one was handed in."""
+    if state.embedder is None:
+        from retrieval.embedder import Embedder
+
+        state.embedder = Embedder(state.settings.resolved_embed_model)
+    return None
+
+
+def load_index(state: AppState) -> str | None:
+    """Open the index, fail interrupted ingests, reconcile with the DB, start the ingest service."""
+    from app.services.index_sync import fail_interrupted, reconcile_index
+    from app.services.ingest import IngestService
+    from retrieval.chunking import Chunker
+    from retrieval.pipeline import Retriever
+
+    state.require("db", "embedder")
+    if state.sessions is None or state.embedder is None:
+        raise NotReadyError("the database and embedder must load before the index")
+    index = open_index(state)
+    fail_interrupted(state.sessions)
+    reconcile_index(state.sessions, index, state.embedder)
+    settings = state.settings
+    chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
+    state.index = index
+    state.ingest = IngestService(
+        state.sessions,
+        state.embedder,
+        index,
+        chunker,
+        max_upload_bytes=settings.max_upload_bytes,
+        num_workers=settings.ingest_workers,
+        queue_size=settings.ingest_queue_size,
+    )
+    # First-stage order until the reranker loader swaps in a reranking retriever.
+    state.retriever = Retriever(state.embedder, index, None)
+    return None
+
+
+def open_index(state: AppState) -> VectorIndex:
+    """The persisted index, or a new empty one if none exists or it cannot be read."""
+    from retrieval.vector_index import VectorIndex
+
+    if state.embedder is None:
+        raise NotReadyError("the embedder must load before the index")
+    settings = state.settings
+    kwargs = {
+        "kind": settings.index_kind,
+        "nlist": settings.index_nlist,
+        "nprobe": settings.index_nprobe,
+        "use_gpu": settings.index_use_gpu,
+    }
+    path = settings.index_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dim = state.embedder.dim
+    if path.exists():
+        try:
+            return VectorIndex.open(path, dim, **kwargs)
+        except Exception:
+            # The reconcile step that follows rebuilds it from the database.
+            logger.exception("cannot read the vector index at %s; starting a new one", path)
+    return VectorIndex(dim, path=path, **kwargs)
+
+
+def load_reranker(state: AppState) -> str | None:
+    """Load the cross-encoder; when it cannot load, say so loudly and keep first-stage order."""
+    from retrieval.pipeline import Retriever
+    from retrieval.reranker import Reranker
+
+    name = state.settings.rerank_model
+    if state.reranker is None and name:
+        state.reranker = Reranker(name)
+    reranker = state.reranker
+    status = "unavailable: no rerank_model configured" if reranker is None else reranker.status
+    if status != "ok":
+        logger.warning("RERANKER %s; search results keep first-stage (vector) order", status)
+        reranker = None
+    if state.embedder is not None and state.index is not None:
+        state.retriever = Retriever(state.embedder, state.index, reranker)
+    return status

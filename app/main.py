@@ -1,0 +1,66 @@
+"""The FastAPI application factory. Serve with `prefixrag serve` (uvicorn, factory mode)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from app.routes import documents, health, search
+from app.services.errors import DuplicateDocumentError, ServiceError
+from app.settings import Settings, get_settings
+from app.state import AppState, ComponentLoader
+
+if TYPE_CHECKING:
+    from retrieval.embedder import Embedder
+    from retrieval.reranker import Reranker
+
+logger = logging.getLogger(__name__)
+
+# Routers every app serves; another feature adds its router here.
+ROUTERS: tuple[APIRouter, ...] = (health.router, documents.router, search.router)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    embedder: Embedder | None = None,
+    reranker: Reranker | None = None,
+    extra_loaders: Sequence[ComponentLoader] = (),
+    extra_routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """An app whose lifespan loads components in the background and releases them at shutdown.
+
+    `embedder`/`reranker` replace the configured models (tests share one); `extra_loaders`
+    run after the default ones; the state is `app.state.prefixrag`.
+    """
+    state = AppState(settings or get_settings(), embedder=embedder, reranker=reranker)
+    for loader in extra_loaders:
+        state.add_loader(loader)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            state.close()
+
+    app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan)
+    app.state.prefixrag = state
+    app.add_exception_handler(ServiceError, _service_error)
+    for router in (*ROUTERS, *extra_routers):
+        app.include_router(router)
+    return app
+
+
+async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+    status = getattr(exc, "status_code", 400)
+    body: dict[str, object] = {"detail": str(exc)}
+    if isinstance(exc, DuplicateDocumentError):
+        body["document_id"] = exc.document_id
+    return JSONResponse(body, status_code=status)

@@ -1,0 +1,91 @@
+"""Document upload, listing, lookup and deletion. Writes go through the ingest service."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import IngestDep, SessionDep, StateDep
+from app.schemas import DocumentAccepted, DocumentOut, DocumentPage
+from app.services.documents import get_document, list_documents
+from app.services.errors import NotReadyError
+from app.uploads import read_ingest_request
+
+router = APIRouter(prefix="/v1/documents", tags=["documents"])
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "title": {"type": "string"},
+                        "collection": {"type": "string", "default": "default"},
+                        "metadata": {"type": "string", "description": "a JSON object"},
+                    },
+                }
+            },
+            "application/json": {"schema": {"$ref": "#/components/schemas/DocumentTextIn"}},
+        }
+    }
+}
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=DocumentAccepted,
+    responses={201: {"model": DocumentOut}},
+    openapi_extra=_UPLOAD_DOC,
+)
+async def create_document(
+    request: Request, state: StateDep, ingest: IngestDep, wait: bool = False
+) -> JSONResponse:
+    """Queue a document (202), or with `?wait=true` ingest it and return it (201)."""
+    upload = await read_ingest_request(request, state.settings.max_upload_bytes)
+    ticket = await run_in_threadpool(ingest.submit, upload)
+    if not wait:
+        accepted = DocumentAccepted(document_id=ticket.document_id, status="pending")
+        return JSONResponse(accepted.model_dump(), status_code=202)
+    await asyncio.wrap_future(ticket.future)
+    document = await run_in_threadpool(_load, state, ticket.document_id)
+    return JSONResponse(jsonable_encoder(document), status_code=201)
+
+
+@router.get("", response_model=DocumentPage)
+def list_all(
+    session: SessionDep,
+    collection: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> DocumentPage:
+    """Documents in upload order, a page at a time, optionally from one collection."""
+    return list_documents(session, collection=collection, limit=limit, offset=offset)
+
+
+@router.get("/{document_id}", response_model=DocumentOut)
+def get_one(document_id: int, session: SessionDep) -> DocumentOut:
+    """One document with its status, chunk count and error."""
+    return get_document(session, document_id)
+
+
+@router.delete("/{document_id}", status_code=204)
+def delete_one(document_id: int, ingest: IngestDep) -> Response:
+    """Delete a document with its chunks and vectors."""
+    ingest.delete(document_id)
+    return Response(status_code=204)
+
+
+def _load(state: StateDep, document_id: int) -> DocumentOut:
+    if state.sessions is None:
+        raise NotReadyError("database is not ready")
+    with state.sessions() as session:
+        return get_document(session, document_id)

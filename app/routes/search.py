@@ -1,0 +1,20 @@
+"""Semantic search over the ready chunks."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.deps import RetrieverDep, StateDep
+from app.schemas import SearchIn, SearchOut
+from app.services.errors import NotReadyError
+from app.services.search import search
+
+router = APIRouter(prefix="/v1", tags=["search"])
+
+
+@router.post("/search", response_model=SearchOut)
+def search_chunks(body: SearchIn, state: StateDep, retriever: RetrieverDep) -> SearchOut:
+    """The best `top_k` chunks for the query, filtered inside the index search."""
+    if state.sessions is None:
+        raise NotReadyError("database is not ready")
+    return search(state.sessions, retriever, body)

@@ -1,0 +1,127 @@
+"""Keep the FAISS index equal to the ready chunks: check it at start, rebuild it on demand."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.models import Chunk, Document
+
+if TYPE_CHECKING:
+    from retrieval.vector_index import VectorIndex
+
+    from retrieval.embedder import Embedder
+
+logger = logging.getLogger(__name__)
+
+INTERRUPTED_REASON = "interrupted by restart"
+
+
+@dataclass(slots=True)
+class ReconcileReport:
+    """What the start-up check found: ids only in the index, ids only in the DB, and the action."""
+
+    num_db_ids: int
+    num_orphan_vectors: int
+    num_missing_vectors: int
+    rebuilt: bool
+
+    @property
+    def is_consistent(self) -> bool:
+        """True when the index held exactly the ready chunk ids before any rebuild."""
+        return self.num_orphan_vectors == 0 and self.num_missing_vectors == 0
+
+
+def ready_chunk_ids(session: Session) -> np.ndarray:
+    """Ids of every chunk whose document is ready, sorted, as int64."""
+    query = select(Chunk.id).join(Document).where(Document.status == "ready").order_by(Chunk.id)
+    return np.asarray(list(session.scalars(query)), dtype=np.int64)
+
+
+def reconcile_index(
+    sessions: sessionmaker[Session], index: VectorIndex, embedder: Embedder
+) -> ReconcileReport:
+    """Rebuild the index from the DB if it does not hold exactly the ready chunk ids."""
+    with sessions() as session:
+        db_ids = ready_chunk_ids(session)
+    index_ids = np.asarray(index.ids(), dtype=np.int64)
+    orphans = np.setdiff1d(index_ids, db_ids)
+    missing = np.setdiff1d(db_ids, index_ids)
+    report = ReconcileReport(len(db_ids), len(orphans), len(missing), rebuilt=False)
+    if report.is_consistent:
+        logger.info("vector index is consistent with the database (%d vectors)", len(db_ids))
+        return report
+    logger.warning(
+        "vector index out of sync with the database: %d vectors without a ready chunk "
+        "(e.g. %s), %d ready chunks without a vector (e.g. %s); rebuilding from the database",
+        len(orphans),
+        orphans[:5].tolist(),
+        len(missing),
+        missing[:5].tolist(),
+    )
+    rebuild_index(sessions, index, embedder)
+    report.rebuilt = True
+    return report
+
+
+def rebuild_index(
+    sessions: sessionmaker[Session],
+    index: VectorIndex,
+    embedder: Embedder,
+    *,
+    batch_size: int = 256,
+) -> int:
+    """Empty the index, re-embed every ready chunk's text, save; returns the vector count."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    index.reset()
+    num_vectors = 0
+    last_id = -1
+    with sessions() as session:
+        while True:
+            rows = session.execute(
+                select(Chunk.id, Chunk.text)
+                .join(Document)
+                .where(Document.status == "ready", Chunk.id > last_id)
+                .order_by(Chunk.id)
+                .limit(batch_size)
+            ).all()
+            if not rows:
+                break
+            ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+            index.add(ids, embedder.encode([r[1] for r in rows]))
+            num_vectors += len(rows)
+            last_id = int(ids[-1])
+    index.save()
+    logger.info("rebuilt the vector index: %d vectors", num_vectors)
+    return num_vectors
+
+
+def fail_interrupted(sessions: sessionmaker[Session]) -> int:
+    """Mark documents left pending/processing by a previous run as failed; returns how many.
+
+    Their raw bytes are not kept, so they cannot be re-queued; any chunk rows a crash left
+    behind are deleted so that a failed document never holds chunks.
+    """
+    with sessions() as session:
+        stuck = list(
+            session.scalars(
+                select(Document.id).where(Document.status.in_(("pending", "processing")))
+            )
+        )
+        if not stuck:
+            return 0
+        session.execute(Chunk.__table__.delete().where(Chunk.document_id.in_(stuck)))
+        session.execute(
+            update(Document)
+            .where(Document.id.in_(stuck))
+            .values(status="failed", error=INTERRUPTED_REASON)
+        )
+        session.commit()
+    logger.warning("marked %d interrupted documents as failed: %s", len(stuck), stuck[:20])
+    return len(stuck)

@@ -1,0 +1,167 @@
+"""Everything the service holds while it runs, and the background loading that fills it in.
+
+Each component (db, embedder, index, reranker, and whatever others register) has a status in
+`components`: "loading", "ok", "unavailable: <why>" or "error: <why>". Loaders run in order on
+one background thread, so the process answers /healthz at once while models load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.services.errors import NotReadyError
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.services.ingest import IngestService
+    from retrieval.embedder import Embedder
+    from retrieval.pipeline import Retriever
+    from retrieval.reranker import Reranker
+    from retrieval.vector_index import VectorIndex
+
+logger = logging.getLogger(__name__)
+
+LOADING = "loading"
+OK = "ok"
+
+
+@dataclass(slots=True, frozen=True)
+class ComponentLoader:
+    """Loads one component into the state; `load` returns its status (None means "ok").
+
+    A required component that is not "ok" keeps /readyz at 503; an optional one only reports.
+    """
+
+    name: str
+    load: Callable[[AppState], str | None]
+    required: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a component loader needs a name")
+
+
+class AppState:
+    """Settings, DB, models, index and services of one running app, plus their readiness."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        embedder: Embedder | None = None,
+        reranker: Reranker | None = None,
+        loaders: list[ComponentLoader] | None = None,
+    ) -> None:
+        from app.loaders import default_loaders
+
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.sessions: sessionmaker[Session] | None = None
+        self.embedder = embedder
+        self.reranker = reranker
+        self.index: VectorIndex | None = None
+        self.retriever: Retriever | None = None
+        self.ingest: IngestService | None = None
+        self.components: dict[str, str] = {}
+        self.loaders: list[ComponentLoader] = []
+        self._lock = threading.Lock()
+        self._loaded = threading.Event()
+        self._thread: threading.Thread | None = None
+        for loader in default_loaders() if loaders is None else loaders:
+            self.add_loader(loader)
+
+    def add_loader(self, loader: ComponentLoader) -> None:
+        """Register a component to load after those already registered (before start only)."""
+        if self._thread is not None:
+            raise RuntimeError("loaders must be added before loading starts")
+        if any(existing.name == loader.name for existing in self.loaders):
+            raise ValueError(f"a loader named {loader.name!r} is already registered")
+        self.loaders.append(loader)
+        self.set_status(loader.name, LOADING)
+
+    def set_status(self, name: str, status: str) -> None:
+        """Record a component's status (thread-safe)."""
+        with self._lock:
+            self.components[name] = status
+
+    def status(self, name: str) -> str | None:
+        """A component's status, or None if no such component."""
+        with self._lock:
+            return self.components.get(name)
+
+    def snapshot(self) -> dict[str, str]:
+        """A copy of every component's status."""
+        with self._lock:
+            return dict(self.components)
+
+    @property
+    def is_ready(self) -> bool:
+        """True once every required component is "ok" and none is still loading."""
+        required = {loader.name for loader in self.loaders if loader.required}
+        states = self.snapshot()
+        if any(state == LOADING for state in states.values()):
+            return False
+        return all(states.get(name) == OK for name in required)
+
+    def require(self, *names: str) -> None:
+        """Raise NotReadyError unless each named component is "ok"."""
+        for name in names:
+            state = self.status(name)
+            if state != OK:
+                raise NotReadyError(f"{name} is not ready ({state or 'not configured'})")
+
+    def start_loading(self) -> threading.Thread:
+        """Run every loader on a background thread; returns that thread."""
+        if self._thread is not None:
+            raise RuntimeError("loading already started")
+        self._thread = threading.Thread(target=self.load_all, name="prefixrag-loader", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def load_all(self, names: set[str] | None = None) -> None:
+        """Run the loaders (all, or those in `names`) in order, here and now."""
+        try:
+            for loader in self.loaders:
+                if names is None or loader.name in names:
+                    self._run_loader(loader)
+        finally:
+            self._loaded.set()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until every loader has finished (whatever its outcome); False on timeout."""
+        return self._loaded.wait(timeout)
+
+    def check_db(self) -> None:
+        """Run a trivial query, raising if the database is unreachable."""
+        if self.engine is None:
+            raise NotReadyError("database is not connected")
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def close(self) -> None:
+        """Stop ingest workers (queued jobs are dropped) and release the database."""
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.ingest is not None:
+            self.ingest.close(wait=True, cancel_pending=True)
+        if self.engine is not None:
+            self.engine.dispose()
+
+    def _run_loader(self, loader: ComponentLoader) -> None:
+        try:
+            status = loader.load(self) or OK
+        except Exception as exc:
+            logger.exception("loading %s failed", loader.name)
+            status = f"error: {type(exc).__name__}: {exc}"
+        self.set_status(loader.name, status)
+        if status == OK:
+            logger.info("%s: ok", loader.name)
+        elif loader.required:
+            logger.error("%s: %s", loader.name, status)
