@@ -1,0 +1,301 @@
+"""Per-step attention metadata and the attention backends that read/write the paged KV cache.
+
+KV layout (shared with kernels/): per layer ``k_cache``/``v_cache`` of shape
+[num_blocks, block_size, num_kv_heads, head_dim]; position p of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+A step packs decode tokens first (one new token per sequence), then extend tokens (prefill chunks,
+possibly after a cached prefix). Metadata is built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence in a step: ``num_new`` tokens starting at position ``start_pos``."""
+
+    start_pos: int
+    num_new: int
+    block_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Index tensors for one step; decode sequences come first, then extend sequences."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    scale: float
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # int32 [Bd, max_blocks], -1 padded
+    decode_seq_lens: torch.Tensor  # int32 [Bd], includes the new token
+    extend_block_tables: torch.Tensor  # int32 [Be, max_blocks], -1 padded
+    extend_prefix_lens: torch.Tensor  # int32 [Be]
+    extend_lens: torch.Tensor  # int32 [Be]
+    cu_extend: torch.Tensor  # int32 [Be + 1], offsets into the extend part of q
+    decode_seq_lens_host: list[int]
+    extend_prefix_lens_host: list[int]
+    extend_lens_host: list[int]
+    plan: Any = field(default=None)  # backend-private precomputation, filled on first use
+
+
+def build_attention_metadata(
+    decodes: Sequence[SeqSpan],
+    extends: Sequence[SeqSpan],
+    *,
+    block_size: int,
+    scale: float,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata for a step of single-token ``decodes`` followed by ``extends``.
+
+    Raises ValueError if a decode span is not one token or a block table is too short.
+    """
+    slots: list[int] = []
+    for span in (*decodes, *extends):
+        end = span.start_pos + span.num_new
+        if span.num_new < 1 or len(span.block_ids) * block_size < end:
+            raise ValueError(
+                f"span of {span.num_new} new tokens at {span.start_pos} needs "
+                f"{-(-end // block_size)} blocks, got {len(span.block_ids)}"
+            )
+        ids = span.block_ids
+        slots.extend(
+            ids[p // block_size] * block_size + p % block_size for p in range(span.start_pos, end)
+        )
+    if any(d.num_new != 1 for d in decodes):
+        raise ValueError("decode spans must carry exactly one new token")
+    seq_lens = [d.start_pos + 1 for d in decodes]
+    prefix_lens = [e.start_pos for e in extends]
+    ext_lens = [e.num_new for e in extends]
+    cu = [0]
+    for n in ext_lens:
+        cu.append(cu[-1] + n)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        scale=scale,
+        num_decode_tokens=len(decodes),
+        decode_block_tables=_block_table([d.block_ids for d in decodes], device),
+        decode_seq_lens=i32(seq_lens),
+        extend_block_tables=_block_table([e.block_ids for e in extends], device),
+        extend_prefix_lens=i32(prefix_lens),
+        extend_lens=i32(ext_lens),
+        cu_extend=i32(cu),
+        decode_seq_lens_host=seq_lens,
+        extend_prefix_lens_host=prefix_lens,
+        extend_lens_host=ext_lens,
+    )
+
+
+def _block_table(tables: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    rows = [list(t) + [-1] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the cache, then attends.
+
+    q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]; rows are ordered decodes first, as in
+    :class:`AttentionMetadata`.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA and the torch path on CPU; ``reference`` runs the kernels'
+    plain-torch references (slow, for checking)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton" and torch.device(device).type != "cuda":
+        raise ValueError("the triton attention backend needs a CUDA device")
+    return KernelAttention(use_triton=name == "triton")
+
+
+class KernelAttention:
+    """Attention through kernels/: the Triton kernels, or their plain-torch references."""
+
+    def __init__(self, *, use_triton: bool) -> None:
+        from kernels import extend_attention, kv_write, paged_decode
+
+        if use_triton:
+            self._write_kv = kv_write.write_kv
+            self._decode = paged_decode.paged_decode_attention
+            self._extend = extend_attention.extend_attention
+        else:
+            self._write_kv = kv_write.write_kv_reference
+            self._decode = paged_decode.paged_decode_attention_reference
+            self._extend = extend_attention.extend_attention_reference
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See :class:`AttentionBackend`."""
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self._decode(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.scale
+            )
+        out = torch.empty_like(q)
+        if num_decode:
+            out[:num_decode] = self._decode(
+                q[:num_decode],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.scale,
+            )
+        out[num_decode:] = self._extend(
+            q[num_decode:],
+            k_cache,
+            v_cache,
+            meta.extend_block_tables,
+            meta.extend_prefix_lens,
+            meta.extend_lens,
+            meta.cu_extend,
+            meta.scale,
+        )
+        return out
+
+
+def sdpa_gqa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, **kwargs: Any
+) -> torch.Tensor:
+    """SDPA over [..., H, L, D] tensors where K/V may have fewer heads than q (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kwargs)
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    decode_slots: torch.Tensor | None  # int64 [Bd, L]: slot of each position, padded with slot 0
+    decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, L]; None when no sequence is padded
+    extends: list[
+        tuple[int, int, torch.Tensor | None, torch.Tensor | None]
+    ]  # start, end, slots, mask
+
+
+class TorchAttention:
+    """The CPU path: gathers each sequence's cached K/V by slot once per step and runs SDPA.
+
+    A prefill with an empty prefix attends over its own new K/V directly, without a gather.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See :class:`AttentionBackend`."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        if meta.plan is None:
+            meta.plan = _torch_plan(meta, k_cache.shape[1])
+        plan: _TorchPlan = meta.plan
+        num_decode = meta.num_decode_tokens
+        out = torch.empty_like(q)
+        if plan.decode_slots is not None:
+            out[:num_decode] = _decode(q[:num_decode], k_flat, v_flat, plan, meta.scale)
+        for start, end, slots, mask in plan.extends:
+            # [T, H, D] -> [1, H, T, D]
+            q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
+            if slots is None:
+                k_seq, v_seq = k[start:end], v[start:end]
+            else:
+                k_seq, v_seq = k_flat[slots], v_flat[slots]
+            o = sdpa_gqa(
+                q_seq,
+                k_seq.transpose(0, 1).unsqueeze(0),
+                v_seq.transpose(0, 1).unsqueeze(0),
+                scale=meta.scale,
+                attn_mask=mask,
+                is_causal=slots is None,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+def _decode(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _TorchPlan, scale: float
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    # One new query per sequence: fold each KV head's query group into the query-length axis,
+    # so plain SDPA does GQA without repeating K/V. q: [B, Hkv, group, D]; k, v: [B, Hkv, L, D].
+    q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k_seq = k_flat[plan.decode_slots].transpose(1, 2)
+    v_seq = v_flat[plan.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q_g, k_seq, v_seq, attn_mask=plan.decode_mask, scale=scale)
+    return o.reshape(batch, num_heads, head_dim)
+
+
+def _slots_for(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    # block_table: [..., max_blocks] -> slots [..., num_tokens] (padding clamped to block 0)
+    pos = torch.arange(num_tokens, device=block_table.device)
+    blocks = block_table[..., pos // block_size].long().clamp_min(0)
+    return blocks * block_size + pos % block_size
+
+
+def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
+    device = meta.slot_mapping.device
+    decode_slots = decode_mask = None
+    if meta.num_decode_tokens:
+        lens = meta.decode_seq_lens_host
+        longest = max(lens)
+        decode_slots = _slots_for(meta.decode_block_tables, longest, block_size)
+        if min(lens) != longest:
+            pos = torch.arange(longest, device=device)
+            decode_mask = (pos < meta.decode_seq_lens.unsqueeze(1)).view(len(lens), 1, 1, longest)
+    extends = []
+    start = meta.num_decode_tokens
+    for b, (prefix, n) in enumerate(
+        zip(meta.extend_prefix_lens_host, meta.extend_lens_host, strict=True)
+    ):
+        slots = mask = None
+        if prefix:
+            slots = _slots_for(meta.extend_block_tables[b], prefix + n, block_size)
+            q_pos = torch.arange(prefix, prefix + n, device=device)
+            mask = torch.arange(prefix + n, device=device) <= q_pos.unsqueeze(1)  # [n, L]
+        extends.append((start, start + n, slots, mask))
+        start += n
+    return _TorchPlan(decode_slots, decode_mask, extends)

@@ -1,0 +1,201 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, built up from the smallest part.
+
+RMSNorm -> rotary embedding -> attention -> SwiGLU MLP -> block -> model. Weights arrive under
+Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) and are fused on load (q/k/v into
+one matrix, gate/up into another) so each block runs four matmuls. Attention reads and writes the
+paged KV cache through an :class:`engine.attention.AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model_config import ModelConfig, RopeScaling
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What one forward pass needs besides the tokens: the KV cache and how to attend."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [num_blocks, bs, Hkv, D] each
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; with a residual it adds first and returns the sum as well."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, H]
+        if residual is not None:
+            x = x + residual
+        residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype), residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    """``cat(cos, sin)`` per position, [max_positions, head_dim], float32 (the kernels' layout)."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face convention). x: [T, H, D]; cos, sin: [T, 1, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2) and a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_weight = _param(q_size + 2 * kv_size, config.hidden_size)
+        self.qkv_bias = _param(q_size + 2 * kv_size) if config.attention_bias else None
+        self.o_weight = _param(config.hidden_size, q_size)
+        has_o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.o_bias = _param(config.hidden_size) if has_o_bias else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, Hq, D]
+        return F.linear(out.reshape(out.shape[0], -1), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size)
+        self.down_weight = _param(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the residual stream is carried beside the hidden state."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm(x, residual)
+        h = self.attn(h, cos, sin, ctx)
+        h, residual = self.post_attn_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Token ids and positions in, final hidden states out; :meth:`logits` applies the head."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_weight = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head_weight = (
+            None if config.tie_word_embeddings else _param(*self.embed_weight.shape)
+        )
+        positions = max_positions or config.max_position_embeddings
+        self.register_buffer(
+            "cos_sin_cache", build_cos_sin_cache(config, positions), persistent=False
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, hidden], before the final norm
+        half = self.config.head_dim // 2
+        cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [T, 1, D]
+        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        x = F.embedding(input_ids, self.embed_weight)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return x + residual
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the chosen rows: [N, hidden] -> float32 [N, vocab]."""
+        h, _ = self.norm(hidden)
+        head = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        return F.linear(h, head).float()
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in (fusing q/k/v and gate/up); every one must be used."""
+        from engine.weights.mapping import assign_hf_weights
+
+        assign_hf_weights(self, tensors)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)

@@ -1,0 +1,206 @@
+"""The model runner: owns the model weights and the paged KV tensors, and runs one step at a time.
+
+The scheduler hands it a list of :class:`StepItem` (new tokens of each sequence plus its block
+table); it writes their K/V into the cache and returns logits for the items that want them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from engine.attention import SeqSpan, build_attention_metadata, make_backend
+from engine.model import ForwardContext, LlamaModel
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+from engine.weights import load_checkpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the new tokens; ``start_pos`` is how many of the sequence's tokens are
+    already in the KV cache; ``block_ids`` is its block table covering start_pos + len(token_ids).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    needs_logits: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a step item needs at least one new token")
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+
+
+def num_blocks_for_budget(budget_bytes: int, *, block_size: int, kv_bytes_per_token: int) -> int:
+    """How many KV blocks fit in ``budget_bytes``; raises ValueError if not even one does."""
+    num_blocks = int(budget_bytes) // (block_size * kv_bytes_per_token)
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens "
+            f"({kv_bytes_per_token} bytes per token)"
+        )
+    return num_blocks
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto``/None means float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """Loads a Llama-family checkpoint, allocates the KV pool and runs batched steps.
+
+    The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks`` or a byte
+    budget ``kv_cache_bytes`` (default: 512 MiB on CPU, ``gpu_memory_fraction`` of free memory on
+    CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        backend: str = "auto",
+        cache_dir: str | Path | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_fraction: float = 0.85,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+        self.model_path = str(model_path)
+        self.cache_dir = cache_dir
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.block_size = block_size
+        config, tensors = load_checkpoint(model_path, cache_dir)
+        self.model_config: ModelConfig = config
+        self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
+        self.model = self._build_model(config, tensors)
+        self.backend = make_backend(backend, self.device)
+        self.scale = config.head_dim**-0.5
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = (
+            2 * config.num_layers * config.num_kv_heads * config.head_dim * elem
+        )
+        if num_blocks is None:
+            budget = kv_cache_bytes or self._default_kv_budget(gpu_memory_fraction)
+            num_blocks = num_blocks_for_budget(
+                budget, block_size=block_size, kv_bytes_per_token=self.kv_bytes_per_token
+            )
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv(config, num_blocks)
+
+    def _build_model(self, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaModel:
+        model = LlamaModel(config, max_positions=self.max_model_len)
+        model.load_hf_weights(tensors)
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def _default_kv_budget(self, fraction: float) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * fraction)
+
+    def _allocate_kv(self, config: ModelConfig, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        # one allocation; per layer k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+        shape = (2, config.num_layers, num_blocks, self.block_size, config.num_kv_heads)
+        # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons SDPA).
+        pool = torch.zeros(*shape, config.head_dim, dtype=self.dtype, device=self.device)
+        return [(pool[0, i], pool[1, i]) for i in range(config.num_layers)]
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer (loaded on first use, cached under ``cache_dir``)."""
+        return Tokenizer.from_model_path(self.model_path, cache_dir=self.cache_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head, i.e. the width of the returned logits."""
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def run(self, items: list[StepItem], *, all_logits: bool = False) -> torch.Tensor:
+        """Run one step and return float32 logits, one row per item with ``needs_logits``, in
+        item order (its last new token; with ``all_logits``, every new token of those items).
+
+        Single-token items go through the decode path, the rest through extend.
+        """
+        if not items:
+            raise ValueError("run() needs at least one step item")
+        for item in items:
+            self._check_item(item)
+        order = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
+        order += [i for i, it in enumerate(items) if len(it.token_ids) > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        first_row = [0] * len(items)
+        for i in order:
+            item = items[i]
+            first_row[i] = len(token_ids)
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+        num_decode = sum(len(items[i].token_ids) == 1 for i in order)
+        spans = [
+            SeqSpan(items[i].start_pos, len(items[i].token_ids), items[i].block_ids) for i in order
+        ]
+        meta = build_attention_metadata(
+            spans[:num_decode],
+            spans[num_decode:],
+            block_size=self.block_size,
+            scale=self.scale,
+            device=self.device,
+        )
+        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, pos, ctx)  # [T, hidden]
+        rows = self._logit_rows(items, first_row, all_logits)
+        if not rows:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @staticmethod
+    def _logit_rows(items: list[StepItem], first_row: list[int], all_logits: bool) -> list[int]:
+        rows: list[int] = []
+        for item, start in zip(items, first_row, strict=True):
+            if not item.needs_logits:
+                continue
+            end = start + len(item.token_ids)
+            rows.extend(range(start, end) if all_logits else (end - 1,))
+        return rows
+
+    def _check_item(self, item: StepItem) -> None:
+        end = item.start_pos + len(item.token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"sequence of {end} tokens exceeds max_model_len {self.max_model_len}")
+        if len(item.block_ids) * self.block_size < end:
+            raise ValueError(f"{len(item.block_ids)} blocks cannot hold {end} tokens")
+        if min(item.block_ids) < 0 or max(item.block_ids) >= self.num_blocks:
+            raise ValueError(f"block ids must lie in [0, {self.num_blocks})")
+        if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")

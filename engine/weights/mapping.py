@@ -1,0 +1,55 @@
+"""Copy Hugging Face-named tensors into :class:`engine.model.LlamaModel`'s fused parameters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model import LlamaModel
+
+
+def assign_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill every parameter of ``model`` from ``tensors``; raise ValueError on a missing, unused
+    or misshapen tensor, so a wrong checkpoint never runs with garbage weights."""
+    remaining = dict(tensors)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in remaining:
+            raise ValueError(f"checkpoint lacks tensor {name!r}")
+        return remaining.pop(name)
+
+    _copy(model.embed_weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    _copy(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
+    if model.lm_head_weight is not None:
+        _copy(model.lm_head_weight, take("lm_head.weight"), "lm_head.weight")
+    else:
+        # Tied checkpoints sometimes still carry a copy of the embedding as lm_head.
+        remaining.pop("lm_head.weight", None)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        _copy(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+        _copy(layer.post_attn_norm.weight, take(p + "post_attention_layernorm.weight"), p + "post")
+        qkv = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        _copy(layer.attn.qkv_weight, torch.cat(qkv), p + "self_attn.qkv")
+        if layer.attn.qkv_bias is not None:
+            bias = [take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+            _copy(layer.attn.qkv_bias, torch.cat(bias), p + "self_attn.qkv bias")
+        _copy(layer.attn.o_weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
+        if layer.attn.o_bias is not None:
+            _copy(layer.attn.o_bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o bias")
+        gate_up = [take(f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+        _copy(layer.mlp.gate_up_weight, torch.cat(gate_up), p + "mlp.gate_up")
+        _copy(layer.mlp.down_weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
+    # Rotary inverse frequencies are recomputed from the config, never taken from a checkpoint.
+    unused = [n for n in remaining if not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise ValueError(f"checkpoint has tensors the model does not use: {sorted(unused)[:5]}")
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
