@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,8 @@ class IngestService:
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="ingest")
         # Bounds queued + running jobs so a flood of uploads cannot pile up parsed documents.
         self._slots = threading.BoundedSemaphore(num_workers + queue_size)
+        self._in_flight: set[Future[IngestOutcome]] = set()
+        self._in_flight_lock = threading.Lock()
 
     def submit(self, request: IngestRequest) -> IngestTicket:
         """Validate and parse `request`, store it as `pending`, and queue its ingestion.
@@ -130,7 +132,17 @@ class IngestService:
         except BaseException:
             self._slots.release()
             raise
+        with self._in_flight_lock:
+            self._in_flight.add(future)
+        future.add_done_callback(self._forget)
         return IngestTicket(document_id, future)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued ingestion has finished; False if `timeout` ran out first."""
+        with self._in_flight_lock:
+            pending = set(self._in_flight)
+        _, not_done = wait(pending, timeout=timeout)
+        return not not_done
 
     def delete(self, document_id: int) -> None:
         """Remove a document, its chunk rows and their vectors; the index is saved after."""
@@ -154,6 +166,10 @@ class IngestService:
         """Stop the worker pool. Cancelled jobs leave their documents `pending`, which the next
         start marks failed."""
         self._pool.shutdown(wait=wait, cancel_futures=cancel_pending)
+
+    def _forget(self, future: Future[IngestOutcome]) -> None:
+        with self._in_flight_lock:
+            self._in_flight.discard(future)
 
     def _insert_pending(self, request: IngestRequest, parsed: ParsedDocument) -> int:
         sha = hashlib.sha256(request.data).hexdigest()
