@@ -1,0 +1,123 @@
+"""Block tables of sequences on top of the block pool and the radix prefix cache."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.radix_cache import HashFn, RadixCache, block_key
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    """Gives each sequence the KV blocks it needs, sharing cached prefixes through the tree.
+
+    A sequence's table is ``block_ids``: its first ``num_tree_blocks`` are tree blocks, kept from
+    eviction by one lock on ``last_node``; the rest are private to it. Computed full blocks move
+    into the tree as soon as they exist, so concurrent requests share them at once.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_cache: bool = True,
+        hash_fn: HashFn = block_key,
+    ) -> None:
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_blocks)
+        self.cache = RadixCache(
+            block_size, self.block_pool, enabled=enable_prefix_cache, hash_fn=hash_fn
+        )
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Free blocks plus cached blocks that eviction could free."""
+        return self.block_pool.num_free_blocks + self.cache.num_evictable_blocks
+
+    def prefix_len(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` that ``match`` would reuse now (no side effects)."""
+        return self.cache.prefix_len(
+            seq.token_ids, seq.namespace, max_num_tokens=seq.num_tokens - 1, keys=seq.block_keys
+        )
+
+    def match(self, seq: Sequence) -> int:
+        """Give a table-less ``seq`` its cached prefix, locked; returns the tokens reused.
+
+        At most ``num_tokens - 1`` tokens are reused, so at least one is computed for logits.
+        """
+        if seq.block_ids or seq.last_node is not None:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        match = self.cache.match_prefix(
+            seq.token_ids,
+            seq.namespace,
+            max_num_tokens=seq.num_tokens - 1,
+            count_stats=False,
+            keys=seq.block_keys,
+        )
+        self.cache.inc_lock_ref(match.last_node)
+        seq.last_node = match.last_node
+        seq.block_ids = match.block_ids
+        seq.num_tree_blocks = len(match.block_ids)
+        seq.num_computed_tokens = match.num_tokens
+        return match.num_tokens
+
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs for its table to hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """True when ``grow(seq, num_tokens)`` would succeed."""
+        return self.num_blocks_to_grow(seq, num_tokens) <= self.num_allocatable_blocks
+
+    def max_tokens_to_compute(self, seq: Sequence) -> int:
+        """How many more tokens ``seq`` could compute with every allocatable block."""
+        capacity = (len(seq.block_ids) + self.num_allocatable_blocks) * self.block_size
+        return capacity - seq.num_computed_tokens
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend the table of ``seq`` to hold ``num_tokens`` tokens, evicting cached leaves
+        when the pool runs dry; raises OutOfBlocksError if even that is not enough."""
+        needed = self.num_blocks_to_grow(seq, num_tokens)
+        if needed == 0:
+            return
+        shortfall = needed - self.block_pool.num_free_blocks
+        if shortfall > 0:
+            self.cache.evict(shortfall)
+        seq.block_ids.extend(self.block_pool.allocate(needed))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Move the computed full blocks of ``seq`` into the tree. Where the tree holds the same
+        tokens already, the sequence switches to the tree's block and frees its own copy."""
+        start = seq.num_tree_blocks
+        end = seq.num_computed_tokens // self.block_size
+        if end <= start or not self.cache.enabled:
+            return
+        bs = self.block_size
+        parent = seq.last_node
+        result = self.cache.insert(
+            seq.token_ids[start * bs : end * bs],
+            seq.block_ids[start:end],
+            seq.namespace,
+            parent=parent,
+        )
+        if not result.block_ids:
+            return
+        seq.block_ids[start : start + len(result.block_ids)] = result.block_ids
+        self.block_pool.free(result.duplicate_block_ids)
+        if parent is None:
+            self.cache.inc_lock_ref(result.last_node)
+        else:
+            self.cache.move_lock(parent, result.last_node)
+        seq.last_node = result.last_node
+        seq.num_tree_blocks += len(result.block_ids)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop every block of ``seq``: unlock its tree blocks (they stay cached, evictable) and
+        free its private ones. Its KV progress resets to zero."""
+        if seq.last_node is not None:
+            self.cache.dec_lock_ref(seq.last_node)
+        self.block_pool.free(seq.block_ids[seq.num_tree_blocks :])
+        seq.block_ids = []
+        seq.num_tree_blocks = 0
+        seq.last_node = None
+        seq.num_computed_tokens = 0

@@ -1,0 +1,71 @@
+"""The engine's own configuration: plain values, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start; raises ValueError on any invalid value.
+
+    ``num_kv_blocks=None`` and ``kv_cache_gb=0`` let the model runner size the KV pool from
+    memory (``gpu_memory_fraction`` of the device); ``max_model_len=None`` means the model's own
+    limit. ``max_num_batched_tokens`` must cover one decode token for each of ``max_num_seqs``.
+    """
+
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gb: float = 0.0
+    gpu_memory_fraction: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_cache: bool = True
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    cache_dir: str | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path string, got {self.model!r}")
+        _check_int("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if not _is_number(self.kv_cache_gb) or not self.kv_cache_gb >= 0:
+            raise ValueError(f"kv_cache_gb must be >= 0 (0 = auto), got {self.kv_cache_gb}")
+        if not _is_number(self.gpu_memory_fraction) or not 0 < self.gpu_memory_fraction <= 1:
+            fraction = self.gpu_memory_fraction
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {fraction!r}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
+        if not isinstance(self.enable_prefix_cache, bool):
+            raise ValueError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache}")
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            raise ValueError(f"cache_dir must be a path string or None, got {self.cache_dir!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)

@@ -1,0 +1,68 @@
+"""Per-request generation parameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is decoded; raises ValueError on any invalid value.
+
+    ``temperature=0`` is greedy. ``top_k=-1`` and ``top_p=1`` turn those filters off. ``stop``
+    strings end the output (checked by the detokenizer); ``stop_token_ids`` always end it, EOS
+    ends it unless ``ignore_eos``. A single stop string is accepted and wrapped in a list.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.stop = _string_list(self.stop)
+        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding picks the most likely token every step."""
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _string_list(stop: object) -> list[str]:
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+    return list(stop)
+
+
+def _token_id_list(token_ids: object) -> list[int]:
+    if not isinstance(token_ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in token_ids):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {token_ids!r}")
+    return list(token_ids)

@@ -1,0 +1,345 @@
+"""Continuous batching: chunked prefill, longest-prefix-first admission, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from itertools import islice
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.radix_cache import HashFn, RadixCache, block_key
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulingPolicy:
+    """Knobs of waiting-queue ordering; raises ValueError on invalid values.
+
+    NOTE: waiting requests are ranked by ``cached prefix tokens + aging_tokens_per_step * steps
+    waited`` (longest prefix first, with aging). Any request that has waited
+    ``max_waiting_steps`` steps or more goes ahead of all others, oldest first, and admission
+    stops at the first request that does not fit, so nothing starves. Only the oldest
+    ``lpm_window`` waiting requests are ranked, because ranking hashes their prompts; beyond that
+    the queue is first come, first served.
+    """
+
+    aging_tokens_per_step: int = 16
+    max_waiting_steps: int = 256
+    lpm_window: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("aging_tokens_per_step", "max_waiting_steps", "lpm_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute ``token_ids`` at positions ``start_pos`` onward.
+
+    ``block_ids`` is the sequence's live block table, covering ``start_pos + len(token_ids)``
+    tokens; read it before ``postprocess``. ``do_sample`` is True when this step reaches the end
+    of the sequence (decode, or the last prefill chunk) and so must produce one token.
+    """
+
+    seq: Sequence
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    do_sample: bool
+
+    @property
+    def context_len(self) -> int:
+        """Tokens with KV once this step ran."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step: what to compute, plus sequences preempted or finished while scheduling it."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        """How many tokens ``postprocess`` expects."""
+        return sum(1 for item in self.seqs if item.do_sample)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences to compute.
+
+    Each step: one decode token for every running sequence, then prefill chunks for partially
+    prefilled ones, then newly admitted requests, all within ``max_num_batched_tokens`` and
+    ``max_num_seqs``. When blocks run out the newest running sequence is preempted (its blocks
+    released; it waits again and re-matches the cache). Call ``schedule``, run the model, then
+    ``postprocess`` with the sampled tokens, strictly alternating.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        policy: SchedulingPolicy | None = None,
+        hash_fn: HashFn = block_key,
+    ) -> None:
+        num_blocks = config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
+        if num_blocks is None:
+            raise ValueError("the number of KV blocks is needed (num_kv_blocks)")
+        self.config = config
+        self.policy = policy or SchedulingPolicy()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.blocks = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_cache=config.enable_prefix_cache,
+            hash_fn=hash_fn,
+        )
+        pool_tokens = num_blocks * config.block_size
+        self.max_seq_len = min(config.max_model_len or pool_tokens, pool_tokens)
+        self._waiting: dict[int, Sequence] = {}
+        self._running: dict[int, Sequence] = {}
+        self._step = 0
+        self._num_arrivals = 0
+        self._in_flight: SchedulerOutput | None = None
+
+    @property
+    def cache(self) -> RadixCache:
+        """The prefix cache (counters, pin/unpin)."""
+        return self.blocks.cache
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding blocks."""
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self._waiting or self._running)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, if any."""
+        return self._running.get(seq_id) or self._waiting.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; ValueError if it is not new, its id is taken, or its prompt can
+        never fit (longer than the KV pool or ``max_model_len``)."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_ids:
+            raise ValueError(f"sequence {seq.seq_id} is not a new request")
+        if seq.seq_id in self._waiting or seq.seq_id in self._running:
+            raise ValueError(f"sequence id {seq.seq_id} is already in use")
+        if seq.num_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens can never fit: the limit is {self.max_seq_len} "
+                f"tokens (KV pool and max_model_len)"
+            )
+        seq.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        seq.enqueue_step = self._step
+        self._waiting[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> bool:
+        """Finish a request with reason ``"abort"``, releasing its blocks now."""
+        return self.finish(seq_id, "abort")
+
+    def finish(self, seq_id: int, reason: str) -> bool:
+        """Finish a waiting or running request now (e.g. a stop string was seen), releasing its
+        blocks. Returns False if no unfinished request has this id."""
+        seq = self.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. An empty ``seqs`` means there is nothing to run."""
+        if self._in_flight is not None:
+            raise RuntimeError("postprocess() the previous step before scheduling another")
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        budget = self._schedule_decodes(out, budget, scheduled)
+        budget = self._schedule_prefill_chunks(out, budget, scheduled)
+        self._admit_waiting(out, budget)
+        while not out.seqs and (self._running or self._waiting):
+            self._unblock(out)
+            budget = self._schedule_prefill_chunks(out, budget, scheduled)
+            self._admit_waiting(out, budget)
+        self._in_flight = out if out.seqs else None
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+        # decode: one token per running sequence that is fully prefilled
+        for seq in list(self._running.values()):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            while not self.blocks.can_grow(seq, seq.num_tokens):
+                victim = self._newest_unscheduled(scheduled)
+                if victim is seq and not scheduled and self.num_running == 1:
+                    self._finish(
+                        seq, "length"
+                    )  # alone and still short: pinned blocks fill the pool
+                    out.finished.append(seq)
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
+        return budget
+
+    def _schedule_prefill_chunks(
+        self, out: SchedulerOutput, budget: int, scheduled: set[int]
+    ) -> int:
+        # prefill: continue partially prefilled sequences, oldest first, as far as blocks allow
+        for seq in self._running.values():
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget, self.blocks.max_tokens_to_compute(seq))
+            if n > 0:
+                self._add(out, seq, n, scheduled)
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        if budget == 0 or not self._waiting or self.num_running >= max_num_seqs:
+            return
+        for seq in self._rank_waiting():
+            if budget == 0 or self.num_running >= max_num_seqs:
+                return
+            num_cached = self.blocks.match(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_grow(seq, num_cached + n):
+                self.blocks.release(seq)
+                return
+            self.cache.record_query(seq.num_tokens, num_cached)
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            del self._waiting[seq.seq_id]
+            self._running[seq.seq_id] = seq
+            self._add(out, seq, n, None)
+            budget -= n
+
+    def _rank_waiting(self) -> list[Sequence]:
+        step, policy = self._step, self.policy
+
+        def rank(seq: Sequence) -> tuple[int, int, int]:
+            waited = step - seq.enqueue_step
+            if waited >= policy.max_waiting_steps:
+                return (0, 0, seq.arrival_order)
+            score = self.blocks.prefix_len(seq) + policy.aging_tokens_per_step * waited
+            return (1, -score, seq.arrival_order)
+
+        window = list(islice(self._waiting.values(), policy.lpm_window))
+        return sorted(window, key=rank)
+
+    def _unblock(self, out: SchedulerOutput) -> None:
+        # nothing fits although work is pending: free blocks, or drop what can never fit
+        if self.num_running > 1:
+            self._preempt(next(reversed(self._running.values())), out)
+            return
+        stuck = next(iter(self._running.values())) if self._running else self._rank_waiting()[0]
+        # NOTE: only pinned blocks can keep a lone request from fitting; it ends as "length"
+        self._finish(stuck, "length")
+        out.finished.append(stuck)
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int] | None) -> None:
+        start = seq.num_computed_tokens
+        self.blocks.grow(seq, start + n)
+        token_ids = seq.token_ids[start : start + n]
+        out.seqs.append(
+            ScheduledSeq(seq, token_ids, start, seq.block_ids, start + n == seq.num_tokens)
+        )
+        out.num_batched_tokens += n
+        if scheduled is not None:
+            scheduled.add(seq.seq_id)
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
+        for seq in reversed(self._running.values()):
+            if seq.seq_id not in scheduled:
+                return seq
+        raise RuntimeError("no running sequence left to preempt")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.release(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        del self._running[seq.seq_id]
+        # preempted requests go back to the front: they are older than anything waiting
+        self._waiting = {seq.seq_id: seq, **self._waiting}
+        out.preempted.append(seq)
+
+    # -- after the model ran ----------------------------------------------------------------
+
+    def postprocess(
+        self, out: SchedulerOutput, sampled_token_ids: SequenceOf[int]
+    ) -> list[Sequence]:
+        """Record that ``out`` ran: advance KV progress, cache newly full blocks, append the
+        sampled tokens (one per ``do_sample`` entry, in order) and return the sequences that
+        finished (max_tokens, max length, a stop token id, or EOS unless ``ignore_eos``)."""
+        if not out.seqs and not sampled_token_ids:
+            return []
+        if out is not self._in_flight:
+            raise ValueError("postprocess() takes the output of the latest schedule()")
+        if len(sampled_token_ids) != out.num_samples:
+            raise ValueError(
+                f"expected {out.num_samples} sampled tokens, got {len(sampled_token_ids)}"
+            )
+        self._in_flight = None
+        finished: list[Sequence] = []
+        sampled = iter(sampled_token_ids)
+        for item in out.seqs:
+            token_id = next(sampled) if item.do_sample else None
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            seq.num_computed_tokens += len(item.token_ids)
+            self.blocks.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.blocks.release(seq)
+            del self._running[seq.seq_id]
+        else:
+            self._waiting.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
