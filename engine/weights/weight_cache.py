@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.model_config import ModelConfig
@@ -49,7 +49,7 @@ class WeightCache:
                 meta = f.metadata() or {}
                 config = ModelConfig.from_dict(json.loads(meta["config"]))
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        except (OSError, KeyError, TypeError, ValueError, SafetensorError):
             return None
         return config, tensors
 
