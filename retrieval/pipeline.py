@@ -1,0 +1,120 @@
+"""Retrieve: embed the query, FAISS top candidates, cross-encoder rerank, keep top_k."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from retrieval.embedder import Embedder
+from retrieval.fusion import bm25_fuse
+from retrieval.reranker import Reranker
+from retrieval.vector_index import VectorIndex
+
+
+@dataclass(slots=True)
+class Hit:
+    """A retrieved chunk: its first-stage (vector or fused) score and its rerank score if any."""
+
+    chunk_id: int
+    score: float
+    rerank_score: float | None
+
+
+@dataclass(slots=True)
+class RetrievalResult:
+    """Hits, best first, and how long each stage took (embed_ms, search_ms, rerank_ms)."""
+
+    hits: list[Hit]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Retriever:
+    """The ask-path retrieval: dense search, optional BM25 fusion, optional cross-encoder rerank.
+
+    With `hybrid=True` the dense candidates are re-ordered by reciprocal-rank fusion of their
+    vector rank and their BM25 rank among the candidates (see bench/retrieval_eval.py for when
+    it helps). Without a usable reranker, hits keep the first-stage order.
+    """
+
+    def __init__(
+        self,
+        embedder: Embedder,
+        index: VectorIndex,
+        reranker: Reranker | None,
+        *,
+        hybrid: bool = False,
+    ) -> None:
+        if embedder.dim != index.dim:
+            raise ValueError(f"embedder dim {embedder.dim} != index dim {index.dim}")
+        self.embedder = embedder
+        self.index = index
+        self.reranker = reranker
+        self.hybrid = hybrid
+
+    @property
+    def is_reranking(self) -> bool:
+        """True when a loaded cross-encoder reorders the candidates."""
+        return self.reranker is not None and self.reranker.is_available
+
+    def retrieve(
+        self,
+        query: str,
+        *,
+        top_k: int,
+        candidates: int,
+        allowed_ids: np.ndarray | None,
+        fetch_texts: Callable[[list[int]], dict[int, str]],
+    ) -> RetrievalResult:
+        """The top_k chunks for `query` among `allowed_ids` (None = all), best first.
+
+        `fetch_texts` maps chunk ids to their texts; it is called once, only when the texts are
+        needed (rerank or hybrid). Ids it doesn't return are dropped (e.g. deleted meanwhile).
+        """
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if candidates < top_k:
+            raise ValueError(f"candidates ({candidates}) must be >= top_k ({top_k})")
+        timings: dict[str, float] = {}
+        # embed
+        t0 = time.perf_counter()
+        query_vector = self.embedder.encode_query(query)
+        timings["embed_ms"] = _ms_since(t0)
+        # search
+        t0 = time.perf_counter()
+        scores, ids = self.index.search(query_vector, candidates, allowed_ids)
+        found = ids[0] >= 0
+        hits = [
+            Hit(int(i), float(s), None)
+            for i, s in zip(ids[0][found], scores[0][found], strict=True)
+        ]
+        timings["search_ms"] = _ms_since(t0)
+        # rerank
+        t0 = time.perf_counter()
+        if hits and (self.hybrid or self.is_reranking):
+            hits = self._second_stage(query, hits, fetch_texts)
+        timings["rerank_ms"] = _ms_since(t0)
+        return RetrievalResult(hits[:top_k], timings)
+
+    def _second_stage(
+        self, query: str, hits: list[Hit], fetch_texts: Callable[[list[int]], dict[int, str]]
+    ) -> list[Hit]:
+        texts_by_id = fetch_texts([h.chunk_id for h in hits])
+        hits = [h for h in hits if h.chunk_id in texts_by_id]
+        texts = [texts_by_id[h.chunk_id] for h in hits]
+        if self.hybrid and hits:
+            fused = bm25_fuse(query, texts)
+            order = np.argsort(-fused, kind="stable")
+            hits = [Hit(hits[i].chunk_id, float(fused[i]), None) for i in order]
+            texts = [texts[i] for i in order]
+        rerank_scores = self.reranker.score(query, texts) if self.reranker is not None else None
+        if rerank_scores is None:
+            return hits
+        order = np.argsort(-rerank_scores, kind="stable")
+        return [Hit(hits[i].chunk_id, hits[i].score, float(rerank_scores[i])) for i in order]
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
