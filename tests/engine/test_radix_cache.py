@@ -1,0 +1,326 @@
+"""RadixCache: exact prefix reuse, namespaces, locks, pins and LRU eviction of leaves.
+
+The state machine keeps its own record of what each block holds (the namespace and the full
+token prefix written into it) and checks every match against that record, so a wrong block can't
+hide behind the cache's own bookkeeping.
+"""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_pool import BlockPool
+from engine.radix_cache import RadixCache, RadixNode, block_key
+
+BS = 2
+
+
+def colliding_hash(parent_key: bytes, namespace: bytes, token_ids) -> bytes:
+    """Ignores parent and namespace and has two values: collisions everywhere."""
+    return bytes([sum(token_ids) % 2])
+
+
+def make_cache(num_blocks: int = 16, **kwargs) -> tuple[RadixCache, BlockPool]:
+    pool = BlockPool(num_blocks)
+    return RadixCache(BS, pool, **kwargs), pool
+
+
+def cache_tokens(cache: RadixCache, pool: BlockPool, tokens: list[int], ns: str = "") -> list[int]:
+    """Insert ``tokens`` the way a sequence does: reuse the match, allocate the rest."""
+    match = cache.match_prefix(tokens, ns, count_stats=False)
+    fresh = pool.allocate(len(tokens) // BS - len(match.block_ids))
+    result = cache.insert(tokens, match.block_ids + fresh, ns)
+    pool.free(result.duplicate_block_ids)
+    pool.free(fresh[len(result.block_ids) - len(match.block_ids) :])
+    return result.block_ids
+
+
+def path_of(node: RadixNode) -> list[RadixNode]:
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path
+
+
+def test_match_reuses_full_blocks_only() -> None:
+    cache, _ = make_cache()
+    block_ids = cache_tokens(cache, cache.block_pool, [1, 2, 3, 4, 5])
+    assert len(block_ids) == 2  # the partial tail [5] is not cached
+    match = cache.match_prefix([1, 2, 3, 4, 9, 9])
+    assert (match.block_ids, match.num_tokens) == (block_ids, 4)
+    assert cache.match_prefix([1, 2, 3, 4], max_num_tokens=3).block_ids == block_ids[:1]
+    assert cache.match_prefix([1, 3]).num_tokens == 0
+    assert (cache.queried_tokens, cache.hit_tokens) == (12, 6)
+
+
+def test_insert_returns_callers_duplicates() -> None:
+    cache, pool = make_cache()
+    first = cache_tokens(cache, pool, [1, 2, 3, 4])
+    mine = pool.allocate(2)
+    result = cache.insert([1, 2, 3, 4], mine, "")
+    assert result.block_ids == first
+    assert sorted(result.duplicate_block_ids) == sorted(mine)
+
+
+def test_namespaces_never_share_blocks() -> None:
+    cache, pool = make_cache()
+    cache_tokens(cache, pool, [1, 2, 3, 4], "tenant-a")
+    assert cache.match_prefix([1, 2, 3, 4], "tenant-b").num_tokens == 0
+    assert cache.prefix_len([1, 2, 3, 4], b"tenant-a") == 4
+    b_blocks = cache_tokens(cache, pool, [1, 2, 3, 4], "tenant-b")
+    assert set(b_blocks).isdisjoint(cache.match_prefix([1, 2, 3, 4], "tenant-a").block_ids)
+
+
+def test_hash_collision_never_returns_other_tokens() -> None:
+    cache, pool = make_cache(hash_fn=colliding_hash)
+    cache_tokens(cache, pool, [1, 1])  # key 0
+    assert cache.match_prefix([2, 2]).num_tokens == 0  # key 0 too, other tokens
+    assert cache_tokens(cache, pool, [2, 2, 5, 5]) == []  # refused, not aliased
+    assert cache.match_prefix([1, 1], "other").num_tokens == 0  # namespace not in this hash
+    assert pool.num_used_blocks == cache.num_cached_blocks == 1
+
+
+def test_block_key_separates_its_parts() -> None:
+    keys = {
+        block_key(b"", b"", [1, 2]),
+        block_key(b"", b"", [2, 1]),
+        block_key(b"p", b"", [1, 2]),
+        block_key(b"", b"n", [1, 2]),
+        block_key(b"ab", b"c", [1]),
+        block_key(b"a", b"bc", [1]),
+    }
+    assert len(keys) == 6
+    assert block_key(b"x", b"y", [3]) == block_key(b"x", b"y", (3,))
+
+
+def test_eviction_is_lru_over_leaves_and_tail_first() -> None:
+    cache, pool = make_cache()
+    a = cache_tokens(cache, pool, [1, 1, 2, 2, 3, 3])
+    b = cache_tokens(cache, pool, [4, 4, 5, 5])
+    cache.match_prefix([1, 1, 2, 2, 3, 3])  # a is now the most recent
+    order = []
+    for _ in range(5):
+        before = {n.block_id for n in cache.iter_nodes()}
+        assert cache.evict(1) == 1
+        (gone,) = before - {n.block_id for n in cache.iter_nodes()}
+        order.append(gone)
+    assert order == [b[1], b[0], a[2], a[1], a[0]]
+    assert pool.num_used_blocks == 0 and cache.evicted_blocks == 5
+
+
+def test_locked_and_pinned_blocks_survive_eviction() -> None:
+    cache, pool = make_cache()
+    cache_tokens(cache, pool, [1, 1, 2, 2])
+    cache_tokens(cache, pool, [3, 3, 4, 4])
+    cache_tokens(cache, pool, [5, 5])
+    locked = cache.match_prefix([1, 1, 2, 2]).last_node
+    cache.inc_lock_ref(locked)
+    pinned = cache.pin([3, 3, 4, 4])
+    assert cache.num_pinned_blocks == 2 and cache.num_evictable_blocks == 1
+    assert cache.evict(10) == 1
+    assert cache.num_cached_blocks == 4
+    cache.dec_lock_ref(locked)
+    cache.unpin(pinned.last_node)
+    assert cache.evict(10) == 4 and pool.num_used_blocks == 0
+    with pytest.raises(ValueError):
+        cache.dec_lock_ref(locked)
+    with pytest.raises(ValueError):
+        cache.inc_lock_ref(locked)  # evicted
+
+
+def test_unbalanced_unlock_and_unpin_raise() -> None:
+    cache, pool = make_cache()
+    cache_tokens(cache, pool, [1, 1])
+    node = cache.match_prefix([1, 1]).last_node
+    with pytest.raises(ValueError):
+        cache.dec_lock_ref(node)
+    with pytest.raises(ValueError):
+        cache.unpin(node)
+    assert node.lock_ref == 0 and node.pin_ref == 0
+
+
+def test_move_lock_equals_lock_then_unlock() -> None:
+    cache, pool = make_cache()
+    cache_tokens(cache, pool, [1, 1, 2, 2, 3, 3])
+    nodes = path_of(cache.match_prefix([1, 1, 2, 2, 3, 3]).last_node)[::-1]
+    cache.inc_lock_ref(nodes[0])
+    cache.move_lock(nodes[0], nodes[2])
+    assert [n.lock_ref for n in nodes] == [1, 1, 1]
+    with pytest.raises(ValueError):
+        cache.move_lock(nodes[2], nodes[0])
+    cache.dec_lock_ref(nodes[2])
+    assert [n.lock_ref for n in nodes] == [0, 0, 0] and cache.num_evictable_blocks == 3
+
+
+def test_lookup_refreshes_whole_path() -> None:
+    cache, pool = make_cache()
+    cache_tokens(cache, pool, [1, 1, 2, 2, 3, 3])
+    cache_tokens(cache, pool, [9, 9])
+    match = cache.match_prefix([1, 1, 2, 2, 3, 3])
+    newest = max(n.last_access_time for n in cache.iter_nodes())
+    assert [n.last_access_time for n in path_of(match.last_node)] == [newest] * 3
+
+
+def test_disabled_cache_keeps_nothing() -> None:
+    cache, pool = make_cache(enabled=False)
+    mine = pool.allocate(2)
+    result = cache.insert([1, 1, 2, 2], mine, "")
+    assert result.block_ids == [] and result.duplicate_block_ids == []
+    assert cache.match_prefix([1, 1, 2, 2]).num_tokens == 0
+    assert cache.pin([1, 1]).num_tokens == 0
+    assert cache.num_cached_blocks == 0 and cache.queried_tokens == 4
+
+
+def test_insert_rejects_bad_blocks() -> None:
+    cache, _ = make_cache()
+    with pytest.raises(ValueError):
+        cache.insert([1, 1, 2, 2], [0], "")  # fewer ids than full blocks
+    with pytest.raises(ValueError):
+        cache.insert([1, 1], [3], "")  # not allocated
+    assert cache.num_cached_blocks == 0
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random operations against the cache; its state is checked against our own records."""
+
+    hash_fn = staticmethod(block_key)
+    num_blocks = 24
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(self.num_blocks)
+        self.cache = RadixCache(BS, self.pool, hash_fn=self.hash_fn)
+        self.content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> what it holds
+        self.private: list[int] = []
+        self.locks: list[RadixNode] = []
+        self.pins: list[RadixNode] = []
+
+    tokens = st.lists(st.integers(1, 3), max_size=8)
+    namespaces = st.sampled_from(["", "a", "b"])
+
+    @rule(tokens=tokens, ns=namespaces, lock=st.booleans())
+    def insert(self, tokens: list[int], ns: str, lock: bool) -> None:
+        match = self.cache.match_prefix(tokens, ns)
+        self.cache.inc_lock_ref(match.last_node)  # keep the match alive while allocating
+        needed = len(tokens) // BS - len(match.block_ids)
+        shortfall = needed - self.pool.num_free_blocks
+        if shortfall > 0:
+            self.cache.evict(shortfall)
+        if not self.pool.can_allocate(needed):
+            self.cache.dec_lock_ref(match.last_node)
+            return
+        fresh = self.pool.allocate(needed)
+        for i, block in enumerate(fresh):
+            end = (len(match.block_ids) + i + 1) * BS
+            self.content[block] = (ns.encode(), tuple(tokens[:end]))
+        result = self.cache.insert(tokens, match.block_ids + fresh, ns)
+        self.pool.free(result.duplicate_block_ids)
+        self.pool.free(fresh[len(result.block_ids) - len(match.block_ids) :])
+        self.cache.dec_lock_ref(match.last_node)
+        for i, block in enumerate(result.block_ids):
+            assert self.content[block] == (ns.encode(), tuple(tokens[: (i + 1) * BS]))
+        if lock:
+            self.cache.inc_lock_ref(result.last_node)
+            self.locks.append(result.last_node)
+
+    @rule(tokens=tokens, ns=namespaces, limit=st.none() | st.integers(0, 8))
+    def match(self, tokens: list[int], ns: str, limit: int | None) -> None:
+        match = self.cache.match_prefix(tokens, ns, max_num_tokens=limit)
+        assert match.num_tokens == len(match.block_ids) * BS
+        assert match.num_tokens <= (len(tokens) if limit is None else min(limit, len(tokens)))
+        for i, block in enumerate(match.block_ids):
+            assert self.content[block] == (ns.encode(), tuple(tokens[: (i + 1) * BS]))
+        if match.block_ids:
+            newest = max(n.last_access_time for n in self.cache.iter_nodes())
+            assert all(n.last_access_time == newest for n in path_of(match.last_node))
+        peek = self.cache.prefix_len(tokens, ns, max_num_tokens=limit)
+        assert peek == match.num_tokens
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i: int) -> None:
+        self.cache.dec_lock_ref(self.locks.pop(i % len(self.locks)))
+
+    @rule(tokens=tokens, ns=namespaces)
+    def pin(self, tokens: list[int], ns: str) -> None:
+        self.pins.append(self.cache.pin(tokens, ns).last_node)
+
+    @precondition(lambda self: self.pins)
+    @rule(i=st.integers(0, 100))
+    def unpin(self, i: int) -> None:
+        self.cache.unpin(self.pins.pop(i % len(self.pins)))
+
+    @rule()
+    def evict_one(self) -> None:
+        leaves = [n for n in self.cache.iter_nodes() if n.is_evictable]
+        before = set(self.cache.iter_nodes())
+        assert self.cache.evict(1) == min(1, len(leaves))
+        gone = before - set(self.cache.iter_nodes())
+        if leaves:
+            (node,) = gone
+            assert node in leaves
+            assert node.last_access_time == min(n.last_access_time for n in leaves)
+
+    @rule(n=st.integers(0, 30))
+    def evict_many(self, n: int) -> None:
+        evictable = self.cache.num_evictable_blocks
+        assert self.cache.evict(n) == min(n, evictable)
+
+    @rule(n=st.integers(0, 4))
+    def allocate_private(self, n: int) -> None:
+        if self.pool.can_allocate(n):
+            self.private.extend(self.pool.allocate(n))
+
+    @precondition(lambda self: self.private)
+    @rule(n=st.integers(1, 4))
+    def free_private(self, n: int) -> None:
+        self.pool.free(self.private[:n])
+        del self.private[:n]
+
+    @invariant()
+    def refs_match_holders(self) -> None:
+        expected_locks: dict[int, int] = {}
+        expected_pins: dict[int, int] = {}
+        for holders, counts in ((self.locks, expected_locks), (self.pins, expected_pins)):
+            for node in holders:
+                assert node.parent is not None or node is self.cache.root  # never evicted
+                for n in path_of(node):
+                    counts[id(n)] = counts.get(id(n), 0) + 1
+        for node in self.cache.iter_nodes():
+            assert node.lock_ref == expected_locks.get(id(node), 0) >= 0
+            assert node.pin_ref == expected_pins.get(id(node), 0) >= 0
+
+    @invariant()
+    def blocks_partition_the_pool(self) -> None:
+        nodes = list(self.cache.iter_nodes())
+        tree = [n.block_id for n in nodes]
+        assert len(set(tree)) == len(tree)
+        assert set(tree).isdisjoint(self.private)
+        used = {b for b in range(self.num_blocks) if self.pool.is_allocated(b)}
+        assert used == set(tree) | set(self.private)
+        assert self.cache.num_cached_blocks == len(nodes)
+        assert self.cache.num_pinned_blocks == sum(n.pin_ref > 0 for n in nodes)
+        unprotected = sum(n.lock_ref == 0 and n.pin_ref == 0 for n in nodes)
+        assert self.cache.num_evictable_blocks == unprotected
+
+    @invariant()
+    def nodes_hold_their_path(self) -> None:
+        for node in self.cache.iter_nodes():
+            path = path_of(node)[::-1]
+            assert all(n.namespace == node.namespace for n in path)  # no namespace crossing
+            tokens = tuple(t for n in path for t in n.token_ids)
+            assert self.content[node.block_id] == (node.namespace, tokens)
+
+
+class CollidingCacheMachine(CacheMachine):
+    hash_fn = staticmethod(colliding_hash)
+
+
+CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+CollidingCacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
+test_cache_state_machine = CacheMachine.TestCase
+test_cache_state_machine_with_colliding_hash = CollidingCacheMachine.TestCase
