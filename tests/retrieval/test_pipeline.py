@@ -1,0 +1,116 @@
+"""Retriever end to end on the packaged embedder, a real index and the tiny cross-encoder."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrieval.embedder import Embedder
+from retrieval.pipeline import Retriever
+from retrieval.reranker import Reranker
+from retrieval.vector_index import VectorIndex
+from tests.retrieval.tiny_cross_encoder import toy_pair
+
+
+@pytest.fixture(scope="module")
+def corpus() -> dict[int, str]:
+    rng = random.Random(3)
+    return {1000 + n: toy_pair(rng)[1] for n in range(40)}
+
+
+@pytest.fixture(scope="module")
+def index(embedder: Embedder, corpus: dict[int, str]) -> VectorIndex:
+    index = VectorIndex(embedder.dim, use_gpu="no")
+    ids = np.array(list(corpus), dtype=np.int64)
+    index.add(ids, embedder.encode(list(corpus.values())))
+    return index
+
+
+def fetcher(corpus: dict[int, str]):
+    def fetch(ids: list[int]) -> dict[int, str]:
+        return {i: corpus[i] for i in ids if i in corpus}
+
+    return fetch
+
+
+def test_reranked_order_follows_rerank_scores(
+    embedder: Embedder, index: VectorIndex, corpus: dict[int, str], tiny_cross_encoder: Path
+) -> None:
+    reranker = Reranker(str(tiny_cross_encoder), device="cpu")
+    retriever = Retriever(embedder, index, reranker)
+    query = "where is the lemon"
+    result = retriever.retrieve(
+        query, top_k=5, candidates=40, allowed_ids=None, fetch_texts=fetcher(corpus)
+    )
+    assert len(result.hits) == 5
+    assert set(result.timings) == {"embed_ms", "search_ms", "rerank_ms"}
+    # reference: score every candidate with the cross-encoder directly and take the best five
+    all_ids = list(corpus)
+    direct = reranker.score(query, [corpus[i] for i in all_ids])
+    best = [all_ids[i] for i in np.argsort(-direct, kind="stable")[:5]]
+    assert [h.chunk_id for h in result.hits] == best
+    assert all("lemon" in corpus[h.chunk_id] for h in result.hits)
+    assert [h.rerank_score for h in result.hits] == sorted(
+        (h.rerank_score for h in result.hits), reverse=True
+    )
+
+
+def test_first_stage_order_without_reranker(
+    embedder: Embedder, index: VectorIndex, corpus: dict[int, str]
+) -> None:
+    unavailable = Reranker("not/a-cached-model")
+    for reranker in (None, unavailable):
+        retriever = Retriever(embedder, index, reranker)
+        result = retriever.retrieve(
+            "piano", top_k=4, candidates=10, allowed_ids=None, fetch_texts=fetcher(corpus)
+        )
+        scores, ids = index.search(embedder.encode_query("piano"), 4)
+        assert [h.chunk_id for h in result.hits] == ids[0].tolist()
+        assert all(h.rerank_score is None for h in result.hits)
+        np.testing.assert_allclose([h.score for h in result.hits], scores[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_allowed_ids_are_respected(
+    embedder: Embedder,
+    index: VectorIndex,
+    corpus: dict[int, str],
+    tiny_cross_encoder: Path,
+    hybrid: bool,
+) -> None:
+    allowed = np.array(list(corpus)[::5], dtype=np.int64)
+    retriever = Retriever(embedder, index, Reranker(str(tiny_cross_encoder)), hybrid=hybrid)
+    result = retriever.retrieve(
+        "where is the lemon",
+        top_k=3,
+        candidates=20,
+        allowed_ids=allowed,
+        fetch_texts=fetcher(corpus),
+    )
+    assert len(result.hits) == 3
+    assert set(h.chunk_id for h in result.hits) <= set(allowed.tolist())
+
+
+def test_texts_missing_from_fetch_are_dropped(
+    embedder: Embedder, index: VectorIndex, corpus: dict[int, str], tiny_cross_encoder: Path
+) -> None:
+    deleted = set(list(corpus)[:20])
+    partial = {i: t for i, t in corpus.items() if i not in deleted}
+    retriever = Retriever(embedder, index, Reranker(str(tiny_cross_encoder)))
+    result = retriever.retrieve(
+        "lemon", top_k=10, candidates=40, allowed_ids=None, fetch_texts=fetcher(partial)
+    )
+    assert result.hits and not deleted & {h.chunk_id for h in result.hits}
+
+
+def test_bad_parameters(embedder: Embedder, index: VectorIndex) -> None:
+    retriever = Retriever(embedder, index, None)
+    with pytest.raises(ValueError):
+        retriever.retrieve("q", top_k=0, candidates=5, allowed_ids=None, fetch_texts=dict)
+    with pytest.raises(ValueError):
+        retriever.retrieve("q", top_k=6, candidates=5, allowed_ids=None, fetch_texts=dict)
+    with pytest.raises(ValueError):
+        Retriever(embedder, VectorIndex(8, use_gpu="no"), None)
