@@ -28,11 +28,19 @@ def embedder() -> Embedder:
     return Embedder(packaged_embedder_path())
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+DATABASES = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(params=DATABASES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """An empty database: a SQLite file, or a fresh schema in the PostgreSQL test database."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'test.db'}"
+    yield from fresh_database(request.param, tmp_path)
+
+
+def fresh_database(kind: str, tmp_dir: Path) -> Iterator[str]:
+    """Yield the URL of an empty database of `kind` and drop it afterwards."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_dir / 'test.db'}"
         return
     base = os.environ.get(PG_ENV)
     if not base:
@@ -57,6 +65,11 @@ def _postgres_schema(base: str) -> Iterator[str]:
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str) -> Settings:
     """Settings on a temporary data dir; small chunks so short test documents span several."""
+    return make_settings(tmp_path, database_url)
+
+
+def make_settings(tmp_path: Path, database_url: str) -> Settings:
+    """Test settings: data under `tmp_path`, no loadable reranker, 64 KiB upload limit."""
     return Settings(
         data_dir=tmp_path / "data",
         database_url=database_url,
