@@ -186,10 +186,12 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
         # decode: one token per running sequence that is fully prefilled
+        block_size = self.config.block_size
         for seq in list(self._running.values()):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            while not self.blocks.can_grow(seq, seq.num_tokens):
+            has_room = len(seq.token_ids) <= len(seq.block_ids) * block_size
+            while not has_room and not self.blocks.can_grow(seq, seq.num_tokens):
                 victim = self._newest_unscheduled(scheduled)
                 if victim is seq and not scheduled and self.num_running == 1:
                     self._finish(
@@ -266,7 +268,8 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int] | None) -> None:
         start = seq.num_computed_tokens
-        self.blocks.grow(seq, start + n)
+        if start + n > len(seq.block_ids) * self.config.block_size:
+            self.blocks.grow(seq, start + n)
         token_ids = seq.token_ids[start : start + n]
         out.seqs.append(
             ScheduledSeq(seq, token_ids, start, seq.block_ids, start + n == seq.num_tokens)
