@@ -59,12 +59,6 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
-def check_triton_block_size(block_size: int) -> None:
-    """The Triton kernels tile by whole KV blocks: they need a power of two of at least 8."""
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"Triton kernels need a power-of-two block_size >= 8, got {block_size}")
-
-
 def check_head_dim(head_dim: int) -> None:
     """Triton tiles the head dimension in one block, so it must be a power of two."""
     if head_dim < 16 or head_dim & (head_dim - 1):
