@@ -343,3 +343,48 @@ def test_random_workloads_match_reference(
         computed = model.computed[seq.seq_id]  # the last admission's positions, each once
         assert computed == list(range(computed[0], seq.num_tokens - 1))
     assert_all_blocks_returned(sched)
+
+
+def test_pinned_blocks_that_leave_no_room_end_a_request_as_length() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    system = list(range(1, 14))
+    _, model = run_workload(sched, [(system, SamplingParams(max_tokens=1))])
+    assert sched.cache.pin(system).num_tokens == 12  # three of the four blocks
+    seq = Sequence(5, [20] * 9, SamplingParams(max_tokens=4))  # needs three blocks
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.seqs == [] and out.finished == [seq] and seq.finish_reason == "length"
+    sharer = Sequence(6, [*system, 21], SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.add(sharer)  # reuses the pinned prefix, so it fits
+    run_to_end(sched, model)
+    assert sharer.finish_reason == "length" and sharer.num_completion_tokens == 2
+    assert sharer.num_cached_tokens == 12
+
+
+def test_preempted_requests_wait_again_and_keep_their_usage() -> None:
+    sched = make_scheduler(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
+    model = SimModel(4)
+    seqs = [
+        Sequence(i, list(range(1 + i, 13 + i)), SamplingParams(max_tokens=14, ignore_eos=True))
+        for i in range(2)
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    preempted = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for seq in out.preempted:
+            assert seq.status is SequenceStatus.PREEMPTED and seq.block_ids == []
+            preempted.append(seq.seq_id)
+        sched.postprocess(out, model.run(out))
+    assert preempted and preempted[0] == 1  # the newest goes first
+    assert all(s.num_cached_tokens == 0 for s in seqs)  # usage reports the first admission
+
+
+def test_scheduling_policy_rejects_bad_values() -> None:
+    with pytest.raises(ValueError):
+        SchedulingPolicy(max_waiting_steps=0)
+    with pytest.raises(ValueError):
+        SchedulingPolicy(lpm_window=True)
+    with pytest.raises(ValueError):
+        Scheduler(EngineConfig(model="sim"))  # no pool size anywhere
