@@ -27,7 +27,6 @@ from engine.sequence import Sequence
 BLOCK_SIZE = 16
 PREFIX_TOKENS = 256
 OWN_TOKENS = 256
-FILLER_BLOCKS = 4096
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -40,9 +39,6 @@ def drain(sched: Scheduler, rng: random.Random) -> None:
 def build(variant: str, num_seqs: int, steps: int, rng: random.Random) -> Scheduler:
     blocks_per_seq = -(-(PREFIX_TOKENS + OWN_TOKENS + steps + 64) // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
-    if variant == "cache_on_full_pool":
-        # cached leftovers fill the pool: decode growth must evict one leaf per new block
-        num_blocks = num_seqs * (PREFIX_TOKENS + OWN_TOKENS) // BLOCK_SIZE + FILLER_BLOCKS
     config = EngineConfig(
         model="none",
         block_size=BLOCK_SIZE,
@@ -52,8 +48,9 @@ def build(variant: str, num_seqs: int, steps: int, rng: random.Random) -> Schedu
     )
     sched = Scheduler(config, num_blocks)
     if variant == "cache_on_full_pool":
+        # cached leftovers fill the whole pool: every new block must evict a cached leaf first
         filler_len = 256
-        for i in range(FILLER_BLOCKS * BLOCK_SIZE // filler_len + 1):
+        for i in range(num_blocks * BLOCK_SIZE // filler_len + 1):
             prompt = [rng.randrange(1, 32000) for _ in range(filler_len)]
             sched.add(Sequence(10**6 + i, prompt, SamplingParams(max_tokens=1)))
         drain(sched, rng)
@@ -135,8 +132,10 @@ def main() -> None:
         "machine": platform.machine(),
         "results": results,
     }
-    (RESULTS / "engine_overhead.json").write_text(json.dumps(report, indent=1))
     plot(results, RESULTS / "engine_overhead.png")
+    for r in results:
+        del r["timings_us"]  # the plot has them; keep the JSON small
+    (RESULTS / "engine_overhead.json").write_text(json.dumps(report, indent=1))
     print(f"engine overhead per decode step, {args.seqs} running sequences, {args.steps} steps:")
     for r in results:
         print(
