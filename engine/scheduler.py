@@ -79,7 +79,9 @@ class Scheduler:
     prefilled ones, then newly admitted requests, all within ``max_num_batched_tokens`` and
     ``max_num_seqs``. When blocks run out the newest running sequence is preempted (its blocks
     released; it waits again and re-matches the cache). Call ``schedule``, run the model, then
-    ``postprocess`` with the sampled tokens, strictly alternating.
+    ``postprocess`` with the sampled tokens, strictly alternating. ``max_model_len`` (for example
+    the model's own context limit) caps sequence length along with the pool and the config.
+    Not thread-safe: one thread drives it.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class Scheduler:
         num_kv_blocks: int | None = None,
         *,
         eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
         policy: SchedulingPolicy | None = None,
         hash_fn: HashFn = block_key,
     ) -> None:
@@ -103,8 +106,11 @@ class Scheduler:
             enable_prefix_cache=config.enable_prefix_cache,
             hash_fn=hash_fn,
         )
-        pool_tokens = num_blocks * config.block_size
-        self.max_seq_len = min(config.max_model_len or pool_tokens, pool_tokens)
+        # the longest a sequence may grow: the pool, config.max_model_len, the model's own limit
+        limits = (num_blocks * config.block_size, config.max_model_len, max_model_len)
+        self.max_seq_len = min(limit for limit in limits if limit is not None)
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self._waiting: dict[int, Sequence] = {}
         self._running: dict[int, Sequence] = {}
         self._step = 0

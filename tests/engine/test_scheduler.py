@@ -299,6 +299,12 @@ def test_add_rejects_what_can_never_fit() -> None:
     config = EngineConfig(model="sim", max_model_len=8, num_kv_blocks=64)
     with pytest.raises(ValueError):
         Scheduler(config).add(Sequence(0, list(range(1, 10))))
+    capped = Scheduler(EngineConfig(model="sim", num_kv_blocks=64), max_model_len=12)
+    assert capped.max_seq_len == 12
+    long_one = Sequence(0, list(range(1, 11)), SamplingParams(max_tokens=50, ignore_eos=True))
+    capped.add(long_one)
+    run_to_end(capped, SimModel(16))
+    assert (long_one.num_tokens, long_one.finish_reason) == (12, "length")
 
 
 def test_postprocess_checks_its_input() -> None:
