@@ -20,8 +20,10 @@ def gather_kv(
             f"block_tables hold {block_tables.shape[1]} blocks of {block_size} tokens, "
             f"too few for {num_tokens} tokens"
         )
-    offs_pos = torch.arange(num_tokens, device=k_cache.device)
+    num_blocks = -(-num_tokens // block_size)
+    # Whole-block copies along dim 0 are far cheaper than a per-token (block, offset) gather.
     # -1 marks table padding; any valid id works there because those rows are masked out.
-    block_ids = block_tables[:, offs_pos // block_size].long().clamp_min(0)
-    offs_in_block = (offs_pos % block_size).expand_as(block_ids)
-    return k_cache[block_ids, offs_in_block], v_cache[block_ids, offs_in_block]
+    block_ids = block_tables[:, :num_blocks].long().clamp_min(0)
+    k = k_cache[block_ids].flatten(1, 2)[:, :num_tokens]
+    v = v_cache[block_ids].flatten(1, 2)[:, :num_tokens]
+    return k, v
