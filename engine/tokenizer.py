@@ -90,13 +90,16 @@ class Tokenizer:
         for message in messages:
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"chat messages need a 'role', got {message!r}")
-        template = _jinja_env().from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token,
-        )
+        try:
+            template = _jinja_env().from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed to render: {exc}") from exc
 
     @classmethod
     def from_model_path(cls, path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
