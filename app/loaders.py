@@ -83,22 +83,30 @@ def open_index(state: AppState) -> VectorIndex:
     if state.embedder is None:
         raise NotReadyError("the embedder must load before the index")
     settings = state.settings
-    kwargs = {
-        "kind": settings.index_kind,
-        "nlist": settings.index_nlist,
-        "nprobe": settings.index_nprobe,
-        "use_gpu": settings.index_use_gpu,
-    }
     path = settings.index_path
     path.parent.mkdir(parents=True, exist_ok=True)
     dim = state.embedder.dim
     if path.exists():
         try:
-            return VectorIndex.open(path, dim, **kwargs)
+            return VectorIndex.open(
+                path,
+                dim,
+                kind=settings.index_kind,
+                nlist=settings.index_nlist,
+                nprobe=settings.index_nprobe,
+                use_gpu=settings.index_use_gpu,
+            )
         except Exception:
             # The reconcile step that follows rebuilds it from the database.
             logger.exception("cannot read the vector index at %s; starting a new one", path)
-    return VectorIndex(dim, path=path, **kwargs)
+    return VectorIndex(
+        dim,
+        path=path,
+        kind=settings.index_kind,
+        nlist=settings.index_nlist,
+        nprobe=settings.index_nprobe,
+        use_gpu=settings.index_use_gpu,
+    )
 
 
 def load_reranker(state: AppState) -> str | None:

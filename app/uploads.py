@@ -4,7 +4,7 @@ refusing oversized bodies early (Content-Length) and while streaming (byte count
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -49,7 +49,7 @@ def _check_content_length(headers: Headers, body_limit: int) -> None:
         raise PayloadTooLargeError(f"request body is {num_bytes} bytes; the limit is {body_limit}")
 
 
-async def _limited(stream: AsyncIterator[bytes], body_limit: int) -> AsyncIterator[bytes]:
+async def _limited(stream: AsyncIterator[bytes], body_limit: int) -> AsyncGenerator[bytes, None]:
     # Content-Length can be absent (chunked) or wrong, so count what actually arrives.
     num_bytes = 0
     async for part in stream:
@@ -60,7 +60,7 @@ async def _limited(stream: AsyncIterator[bytes], body_limit: int) -> AsyncIterat
 
 
 async def _from_multipart(
-    headers: Headers, stream: AsyncIterator[bytes], max_upload_bytes: int
+    headers: Headers, stream: AsyncGenerator[bytes, None], max_upload_bytes: int
 ) -> IngestRequest:
     parser = MultiPartParser(
         headers, stream, max_files=1, max_fields=16, max_part_size=MAX_FIELD_BYTES

@@ -37,7 +37,7 @@ def list_documents(
     return DocumentPage(items=items, total=total, limit=limit, offset=offset)
 
 
-def _with_counts() -> Select[tuple[Document, int]]:
+def _with_counts() -> Select[Document, int]:
     counts = (
         select(Chunk.document_id, func.count(Chunk.id).label("n"))
         .group_by(Chunk.document_id)

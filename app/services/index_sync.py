@@ -7,15 +7,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Chunk, Document
 
 if TYPE_CHECKING:
-    from retrieval.vector_index import VectorIndex
-
     from retrieval.embedder import Embedder
+    from retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +115,7 @@ def fail_interrupted(sessions: sessionmaker[Session]) -> int:
         )
         if not stuck:
             return 0
-        session.execute(Chunk.__table__.delete().where(Chunk.document_id.in_(stuck)))
+        session.execute(delete(Chunk).where(Chunk.document_id.in_(stuck)))
         session.execute(
             update(Document)
             .where(Document.id.in_(stuck))
