@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 
 from fastapi.testclient import TestClient
 
+from app.services.errors import DuplicateDocumentError
+from app.services.ingest import IngestRequest
 from tests.app.conftest import app_state
 from tests.app.helpers import (
     HTML,
@@ -121,3 +124,35 @@ def test_same_content_in_same_collection_is_409(client: TestClient) -> None:
     assert other_collection.status_code == 201
     assert client.get("/v1/documents").json()["total"] == 2
     assert index_ids(client) == chunk_ids(client)
+
+
+def test_concurrent_uploads_of_the_same_content_store_it_once(client: TestClient) -> None:
+    ingest = app_state(client).ingest
+    assert ingest is not None
+    num_threads = 6
+    barrier = threading.Barrier(num_threads)
+    outcomes: list[object] = []
+    lock = threading.Lock()
+
+    def submit() -> None:
+        request = IngestRequest(data=MARKDOWN.encode(), filename="same.md", collection="race")
+        barrier.wait()
+        try:
+            result: object = ingest.submit(request).document_id
+        except DuplicateDocumentError as exc:
+            result = exc
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=submit) for _ in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    accepted = [o for o in outcomes if isinstance(o, int)]
+    duplicates = [o for o in outcomes if isinstance(o, DuplicateDocumentError)]
+    assert len(accepted) == 1 and len(duplicates) == num_threads - 1
+    assert {d.document_id for d in duplicates} == set(accepted)
+    assert ingest.wait_idle(60)
+    assert client.get("/v1/documents", params={"collection": "race"}).json()["total"] == 1
+    assert index_ids(client) == chunk_ids(client, accepted[0])
