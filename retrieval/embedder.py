@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class Embedder:
         if not dim:
             raise ValueError(f"can't tell the embedding size of {model_name_or_path!r}")
         self.dim: int = int(dim)
-        self.max_seq_length: int = int(self.model.max_seq_length)
+        self.max_seq_length: int = int(self.model.max_seq_length or 512)
         self._counter = _untruncated_copy(self.model.tokenizer)
 
     def count_tokens(self, text: str) -> int:
@@ -60,7 +61,7 @@ class Embedder:
         return self.encode([text])[0]
 
 
-def _untruncated_copy(tokenizer: object) -> object | None:
+def _untruncated_copy(tokenizer: object) -> Any:
     """A private copy of the Rust tokenizer without truncation, or None for slow tokenizers."""
     # NOTE: the shared backend tokenizer truncates (to 128 for MiniLM) and encode() resets it per
     # call, so counting on it would undercount long text; a copy keeps counting exact and cheap.

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import faiss
+import faiss as _faiss
 import numpy as np
+
+# NOTE: faiss's bundled stubs lack SearchParameters kwargs, DirectMap, HNSW params; use Any
+faiss: Any = _faiss
 
 
 def gpu_count() -> int:

@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
 from retrieval.faiss_util import (
+    faiss,
     gpu_count,
     id_selector,
     index_kind_of,
