@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.routes import documents, health, search
+from app.routes import documents, health, openai, search
 from app.services.errors import DuplicateDocumentError, ServiceError
 from app.settings import Settings, get_settings
 from app.state import AppState, ComponentLoader
@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Routers every app serves; another feature adds its router here.
-ROUTERS: tuple[APIRouter, ...] = (health.router, documents.router, search.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    health.router,
+    documents.router,
+    search.router,
+    openai.router,
+)
 
 
 def create_app(
@@ -39,6 +44,10 @@ def create_app(
     run after the default ones; the state is `app.state.prefixrag`.
     """
     state = AppState(settings or get_settings(), embedder=embedder, reranker=reranker)
+    if state.settings.load_llm:
+        from app.services.llm import load_llm
+
+        state.add_loader(ComponentLoader("llm", load_llm))
     for loader in extra_loaders:
         state.add_loader(loader)
 
@@ -53,6 +62,7 @@ def create_app(
     app = FastAPI(title="prefixrag", version="0.1.0", lifespan=lifespan)
     app.state.prefixrag = state
     app.add_exception_handler(ServiceError, _service_error)
+    openai.install_error_handlers(app)
     for router in (*ROUTERS, *extra_routers):
         app.include_router(router)
     return app

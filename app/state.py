@@ -21,6 +21,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from app.services.ingest import IngestService
+    from app.services.llm import LLMService
     from retrieval.embedder import Embedder
     from retrieval.pipeline import Retriever
     from retrieval.reranker import Reranker
@@ -69,6 +70,7 @@ class AppState:
         self.index: VectorIndex | None = None
         self.retriever: Retriever | None = None
         self.ingest: IngestService | None = None
+        self.llm: LLMService | None = None
         self.components: dict[str, str] = {}
         self.loaders: list[ComponentLoader] = []
         self._lock = threading.Lock()
@@ -151,6 +153,8 @@ class AppState:
             self._thread.join(timeout=5)
         if self.ingest is not None:
             self.ingest.close(wait=True, cancel_pending=True)
+        if self.llm is not None:
+            self.llm.engine.shutdown()
         if self.engine is not None:
             self.engine.dispose()
 

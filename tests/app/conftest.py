@@ -79,6 +79,7 @@ def make_settings(tmp_path: Path, database_url: str) -> Settings:
         chunk_overlap=8,
         max_upload_bytes=64 * 1024,
         index_use_gpu="no",
+        load_llm=False,  # the LLM has its own tests; these are about documents and search
     )
 
 
