@@ -1,0 +1,112 @@
+"""The service between HTTP and the engine: engine config from settings, prompt checks, loading."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from app.services.errors import InvalidInputError, ServiceError
+from app.settings import Settings
+from engine.config import EngineConfig
+from engine.outputs import GenerationDelta, GenerationResult
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from app.state import AppState
+    from engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ServiceError):
+    """The prompt (plus the tokens asked for) does not fit the model's context window."""
+
+    status_code = 400
+
+
+def engine_config_from_settings(settings: Settings) -> EngineConfig:
+    """The engine's plain config, built from the service settings."""
+    return EngineConfig(
+        model=settings.resolved_llm,
+        block_size=settings.block_size,
+        kv_cache_gb=settings.kv_cache_gb,
+        gpu_memory_fraction=settings.gpu_memory_fraction,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_cache=settings.prefix_cache,
+        attention_backend=settings.attention_backend,
+        dtype=settings.dtype,
+        cache_dir=str(settings.cache_dir / "models"),
+    )
+
+
+def model_id_for(path: str) -> str:
+    """The name clients use for a model: its file or folder name without a GGUF suffix."""
+    name = Path(path).name
+    return name.removesuffix(".gguf")
+
+
+class LLMService:
+    """Generation for the HTTP layer: fits prompts into the context window and streams results."""
+
+    def __init__(self, engine: AsyncEngine, model_id: str, settings: Settings) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.settings = settings
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def fit_max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """The max_tokens to use; raises PromptTooLongError when the request cannot fit."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {num_prompt_tokens} tokens. Shorten the prompt."
+            )
+        if requested is None:
+            return min(self.settings.default_max_tokens, room)
+        if requested > self.settings.max_tokens_cap:
+            raise InvalidInputError(
+                f"max_tokens must be at most {self.settings.max_tokens_cap}, got {requested}"
+            )
+        if requested > room:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens; you asked "
+                f"for {num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt, "
+                f"{requested} for the completion). Shorten the prompt or lower max_tokens."
+            )
+        return requested
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, namespace: bytes = b""
+    ) -> AsyncIterator[GenerationDelta | GenerationResult]:
+        return self.engine.generate(prompt_ids, params, namespace=namespace)
+
+
+def load_llm(state: AppState) -> str | None:
+    """Component loader: start the engine on the configured model (or say why not)."""
+    from engine.async_engine import AsyncEngine
+
+    settings = state.settings
+    config = engine_config_from_settings(settings)
+    engine = AsyncEngine.from_config(config)
+    state.llm = LLMService(engine, model_id_for(config.model), settings)
+    logger.info(
+        "llm: %s loaded, %d KV blocks of %d tokens, prefix cache %s",
+        config.model,
+        engine.num_kv_blocks,
+        config.block_size,
+        "on" if config.enable_prefix_cache else "off",
+    )
+    return None

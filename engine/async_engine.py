@@ -1,0 +1,200 @@
+"""The concurrent front end: one thread steps the engine, many asyncio callers stream from it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, StepEvent
+from engine.outputs import GenerationDelta, GenerationResult
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[GenerationDelta | GenerationResult | BaseException], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can run."""
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on its own thread; ``generate`` streams one request's output.
+
+    Every change to the engine (add, abort, pin) is a command executed by the engine thread
+    between steps, so the scheduler and the KV cache are only ever touched by that thread.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._deliver: dict[int, Deliver] = {}
+        self._thread = threading.Thread(target=self._loop, name="prefixrag-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    async def generate(
+        self,
+        prompt: str | SequenceOf[int],
+        params: SamplingParams,
+        *,
+        namespace: str | bytes = b"",
+        request_id: str | None = None,
+    ) -> AsyncIterator[GenerationDelta | GenerationResult]:
+        """Yield text deltas as tokens are decoded, then one GenerationResult.
+
+        Closing the iterator early (a client disconnect) aborts the request and frees its
+        blocks. Raises ValueError for a prompt that can never run.
+        """
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+
+        def deliver(item: GenerationDelta | GenerationResult | BaseException) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+
+        seq_id_box: list[int] = []
+        self._submit(lambda: self._add(ids, params, namespace, request_id, deliver, seq_id_box))
+        done = False
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                yield item
+                if isinstance(item, GenerationResult):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self._submit(lambda: self._abort(seq_id_box))
+
+    async def pin_prefix(self, token_ids: SequenceOf[int], namespace: str | bytes = b"") -> int:
+        """Compute a prefix (if not cached yet) and pin it so it is never evicted; returns the
+        number of pinned tokens (whole blocks only)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        async for _ in self.generate(list(token_ids), params, namespace=namespace):
+            pass
+        return await self.call(lambda engine: engine.pin_prefix(token_ids, namespace))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                value = fn(self.engine)
+            except BaseException as exc:  # handed to the caller
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, value)
+
+        self._submit(run)
+        return await future
+
+    def stats(self) -> dict[str, int]:
+        """Prefix-cache counters and block occupancy (a racy but consistent-enough snapshot)."""
+        return self.engine.cache_stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine has stopped")
+        self._commands.put(command)
+        self._wake.set()
+
+    def _add(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        namespace: str | bytes,
+        request_id: str | None,
+        deliver: Deliver,
+        seq_id_box: list[int],
+    ) -> None:
+        try:
+            seq_id = self.engine.add_request(
+                ids, params, namespace=namespace, request_id=request_id
+            )
+        except ValueError as exc:
+            deliver(exc)
+            return
+        seq_id_box.append(seq_id)
+        self._deliver[seq_id] = deliver
+
+    def _abort(self, seq_id_box: list[int]) -> None:
+        if seq_id_box:
+            self._dispatch(self.engine.abort(seq_id_box[0]))
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._dispatch(self.engine.step())
+            except Exception as exc:  # keep serving: fail the requests in flight, not the thread
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+        self._fail_all(EngineDeadError("the engine has stopped"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
+        for event in events:
+            deliver = self._deliver.get(event.seq_id)
+            if deliver is None:
+                continue
+            deliver(event.output)
+            if isinstance(event.output, GenerationResult):
+                del self._deliver[event.seq_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for seq_id, deliver in list(self._deliver.items()):
+            self.engine.abort(seq_id)
+            deliver(RuntimeError(f"generation failed: {exc}"))
+        self._deliver.clear()
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,240 @@
+"""The synchronous engine: scheduler, model runner, sampler and detokenizer, step by step."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner, StepItem
+from engine.outputs import GenerationDelta, GenerationResult
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Request:
+    """Engine-side bookkeeping of one request beyond what the scheduler tracks."""
+
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    stopped_on: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepEvent:
+    """What one step produced for one request: a delta, or its final result."""
+
+    seq_id: int
+    output: GenerationDelta | GenerationResult
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means CUDA when there is a GPU, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache with radix prefix reuse.
+
+    Not thread-safe: one thread drives it (see AsyncEngine for the concurrent front end).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(
+            config.model,
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
+            kv_cache_bytes=int(config.kv_cache_gb * 2**30) or None,
+            device=resolve_device(config.device),
+            dtype=config.dtype,
+            backend=config.attention_backend,
+            cache_dir=config.cache_dir,
+            max_model_len=config.max_model_len,
+            gpu_memory_fraction=config.gpu_memory_fraction,
+        )
+        self.tokenizer = self.runner.tokenizer
+        self.scheduler = Scheduler(
+            config,
+            self.runner.num_blocks,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            max_model_len=self.runner.max_model_len,
+        )
+        self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_seq_len)
+        self.sampler = Sampler()
+        self._requests: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def add_request(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams,
+        *,
+        namespace: str | bytes = b"",
+        request_id: str | None = None,
+    ) -> int:
+        """Queue a request; returns its seq id. ValueError if the prompt can never run."""
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
+                f"{self.max_model_len} tokens"
+            )
+        if prompt_token_ids and max(prompt_token_ids) >= self.runner.vocab_size:
+            raise ValueError("prompt contains token ids outside the vocabulary")
+        seq_id = next(self._seq_ids)
+        seq = Sequence(seq_id, list(prompt_token_ids), params, namespace, time.monotonic())
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        self._requests[seq_id] = _Request(
+            request_id or f"req-{seq_id}", seq, detok, seq.arrival_time
+        )
+        return seq_id
+
+    def abort(self, seq_id: int) -> list[StepEvent]:
+        """Cancel a request now, freeing its blocks; returns its last events (none if unknown)."""
+        req = self._requests.get(seq_id)
+        if req is None:
+            return []
+        self.scheduler.abort(seq_id)
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pin_prefix(self, token_ids: SequenceOf[int], namespace: str | bytes = b"") -> int:
+        """Keep the cached blocks of this (already computed) prefix from eviction; returns the
+        number of tokens pinned."""
+        return self.scheduler.cache.pin(list(token_ids), namespace).num_tokens
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduling step and return what it produced."""
+        out = self.scheduler.schedule()
+        events: list[StepEvent] = []
+        for seq in out.finished:  # ended by the scheduler itself (can never fit)
+            if seq.seq_id in self._requests:
+                events.extend(
+                    self._finish(self._requests[seq.seq_id], seq.finish_reason or "length")
+                )
+        if not out.seqs:
+            return events
+        sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
+        token_ids = self._forward(out, sampled_seqs)
+        finished = self.scheduler.postprocess(out, token_ids)
+        now = time.monotonic()
+        for seq, token_id in zip(sampled_seqs, token_ids, strict=True):
+            req = self._requests.get(seq.seq_id)
+            if req is not None:
+                events.extend(self._on_token(req, token_id, now))
+        for seq in finished:
+            req = self._requests.get(seq.seq_id)
+            if req is not None:
+                events.extend(self._finish(req, seq.finish_reason or "stop"))
+        return events
+
+    def generate(
+        self, prompts: SequenceOf[str | SequenceOf[int]], params: SamplingParams
+    ) -> list[GenerationResult]:
+        """Run prompts to completion, batched together; results in prompt order."""
+        seq_ids = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            seq_ids.append(self.add_request(ids, params))
+        results: dict[int, GenerationResult] = {}
+        while len(results) < len(seq_ids):
+            for event in self.step():
+                if isinstance(event.output, GenerationResult):
+                    results[event.seq_id] = event.output
+        return [results[i] for i in seq_ids]
+
+    def cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters and KV block occupancy."""
+        cache, pool = self.scheduler.cache, self.scheduler.blocks.block_pool
+        return {
+            "queried_tokens": cache.queried_tokens,
+            "hit_tokens": cache.hit_tokens,
+            "evicted_blocks": cache.evicted_blocks,
+            "blocks_total": self.runner.num_blocks,
+            "blocks_free": pool.num_free_blocks,
+            "blocks_used": pool.num_used_blocks,
+            "blocks_cached": cache.num_cached_blocks,
+            "blocks_pinned": cache.num_pinned_blocks,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+        }
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _forward(self, out: SchedulerOutput, sampled_seqs: list[Sequence]) -> list[int]:
+        items = [StepItem(s.token_ids, s.start_pos, s.block_ids, s.do_sample) for s in out.seqs]
+        logits = self.runner.run(items)  # [num_sampled, vocab]
+        if not sampled_seqs:
+            return []
+        return self.sampler.sample(
+            logits, [s.seq_id for s in sampled_seqs], [s.sampling_params for s in sampled_seqs]
+        )
+
+    def _on_token(self, req: _Request, token_id: int, now: float) -> list[StepEvent]:
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.last_token_at = now
+        req.token_ids.append(token_id)
+        seq, params = req.seq, req.seq.sampling_params
+        # A stop token id or EOS ends the output without showing up in its text.
+        is_stop_token = token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.tokenizer.eos_token_ids
+        )
+        if is_stop_token or req.stopped_on is not None:
+            return []
+        step = req.detokenizer.add(token_id)
+        events = [StepEvent(seq.seq_id, GenerationDelta(step.delta, [token_id]))]
+        if step.stopped_on is not None:
+            req.stopped_on = step.stopped_on
+            if not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, "stop")
+            events.extend(self._finish(req, "stop"))
+        return events
+
+    def _finish(self, req: _Request, reason: str) -> list[StepEvent]:
+        """The request's last events: any held-back text, then its result."""
+        seq_id = req.seq.seq_id
+        self._requests.pop(seq_id, None)
+        self.sampler.release(seq_id)
+        events = []
+        tail = req.detokenizer.flush() if req.stopped_on is None else ""
+        if tail:
+            events.append(StepEvent(seq_id, GenerationDelta(tail, [])))
+        first, last = req.first_token_at, req.last_token_at
+        n = len(req.token_ids)
+        result = GenerationResult(
+            request_id=req.request_id,
+            text=req.detokenizer.text,
+            token_ids=list(req.token_ids),
+            finish_reason=reason,
+            prompt_tokens=req.seq.num_prompt_tokens,
+            cached_tokens=req.seq.num_cached_tokens,
+            completion_tokens=n,
+            ttft_s=(first - req.arrival) if first is not None else 0.0,
+            tpot_s=((last - first) / (n - 1)) if first is not None and last and n > 1 else 0.0,
+            stop_reason=req.stopped_on,
+        )
+        events.append(StepEvent(seq_id, result))
+        return events

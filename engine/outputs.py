@@ -1,0 +1,30 @@
+"""What a generation hands back to its caller: text deltas while it runs, then one final result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """New text (possibly empty while a UTF-8 character or stop string is pending) and token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """The finished request: full text, why it stopped, and its cost in tokens and seconds."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tpot_s: float
+    stop_reason: str | int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
