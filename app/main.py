@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.routes import documents, health, openai, search
+from app.routes import documents, health, openai, search, web
 from app.services.errors import DuplicateDocumentError, ServiceError
 from app.settings import Settings, get_settings
 from app.state import AppState, ComponentLoader
@@ -27,6 +27,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     documents.router,
     search.router,
     openai.router,
+    web.router,
 )
 
 

@@ -1,0 +1,233 @@
+// The question panel: POST /v1/query with stream=true, render deltas as they arrive, turn [n]
+// markers into links to the numbered sources, and show cache and latency figures when done.
+
+import { request } from "./api.js";
+import { readEvents } from "./sse.js";
+
+const CITE_MARK = /\[(\d+)\]/g;
+
+/** Owns the ask form and the list of answers; `collection()` names the collection to search. */
+export class AskPanel {
+  constructor(root, collection) {
+    this.collection = collection;
+    this.form = root.querySelector("#ask-form");
+    this.question = root.querySelector("#question");
+    this.askButton = root.querySelector("#ask-button");
+    this.stopButton = root.querySelector("#stop-button");
+    this.error = root.querySelector("#ask-error");
+    this.answers = root.querySelector("#answers");
+    this.template = document.querySelector("#turn-template");
+    this.controller = null;
+    this.numTurns = 0;
+    this.form.addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.ask();
+    });
+    this.question.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) this.form.requestSubmit();
+    });
+    this.stopButton.addEventListener("click", () => this.controller?.abort());
+  }
+
+  body() {
+    const number = (id) => Number(this.form.querySelector(id).value);
+    return {
+      question: this.question.value.trim(),
+      collection: this.collection(),
+      top_k: number("#top-k"),
+      max_tokens: number("#max-tokens"),
+      temperature: number("#temperature"),
+      stream: true,
+    };
+  }
+
+  async ask() {
+    const body = this.body();
+    if (!body.question) return;
+    this.showError("");
+    const turn = new Turn(this.template, ++this.numTurns, body.question);
+    this.answers.prepend(turn.root);
+    this.setBusy(true);
+    try {
+      const response = await request("/v1/query", {
+        method: "POST",
+        headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+        body: JSON.stringify(body),
+        signal: this.controller.signal,
+      });
+      await readEvents(response, (name, data) => turn.on(name, data));
+      turn.finish();
+    } catch (err) {
+      const message = err.name === "AbortError" ? "Stopped." : err.message;
+      turn.fail(message);
+      if (err.name !== "AbortError") this.showError(message);
+    } finally {
+      this.setBusy(false);
+    }
+  }
+
+  setBusy(isBusy) {
+    this.controller = isBusy ? new AbortController() : null;
+    this.askButton.disabled = isBusy;
+    this.askButton.textContent = isBusy ? "Answering…" : "Ask";
+    this.stopButton.hidden = !isBusy;
+  }
+
+  showError(message) {
+    this.error.hidden = !message;
+    this.error.textContent = message;
+  }
+}
+
+/** One question and its streamed answer, sources and figures. */
+class Turn {
+  constructor(template, index, question) {
+    this.root = template.content.firstElementChild.cloneNode(true);
+    this.root.dataset.turn = index;
+    this.index = index;
+    this.text = "";
+    this.citations = new Map();
+    this.root.querySelector(".question").textContent = question;
+    this.answer = this.root.querySelector(".answer");
+  }
+
+  on(name, data) {
+    if (name === "citations") this.showCitations(data);
+    else if (name === "delta") this.append(data.text);
+    else if (name === "done") this.done(data);
+    else if (name === "error") throw new Error(data.detail || "the answer failed");
+  }
+
+  showCitations({ citations, dropped_chunks: dropped }) {
+    const list = this.root.querySelector(".citations");
+    list.replaceChildren(...citations.map((c) => this.citation(c)));
+    this.root.querySelector(".sources-heading").hidden = citations.length === 0;
+    if (dropped > 0) {
+      this.notice(`${dropped} lower-ranked source${dropped === 1 ? " was" : "s were"} left out to fit the model's context window.`);
+    }
+    this.answer.querySelector(".typing").textContent = citations.length
+      ? "Generating…"
+      : "No sources found; generating…";
+  }
+
+  citation(c) {
+    const item = document.createElement("li");
+    item.id = this.citeId(c.n);
+    item.className = "citation";
+    item.value = c.n;
+    const details = document.createElement("details");
+    const summary = document.createElement("summary");
+    const page = c.page != null ? ` · page ${c.page}` : "";
+    summary.append(
+      span("cite-n", `[${c.n}]`),
+      span("cite-title", c.title),
+      span("cite-meta muted", `${page} · score ${Number(c.score).toFixed(3)}`),
+    );
+    const source = document.createElement("blockquote");
+    source.className = "cite-text";
+    source.textContent = c.text;
+    const where = span("muted cite-where", `document ${c.document_id}, characters ${c.start}–${c.end}`);
+    details.append(summary, source, where);
+    item.append(details);
+    this.citations.set(String(c.n), details);
+    return item;
+  }
+
+  citeId(n) {
+    return `cite-${this.index}-${n}`;
+  }
+
+  append(text) {
+    this.text += text;
+    this.render(true);
+  }
+
+  render(isStreaming) {
+    const nodes = [];
+    let last = 0;
+    for (const match of this.text.matchAll(CITE_MARK)) {
+      nodes.push(this.text.slice(last, match.index), this.citeLink(match[1], match[0]));
+      last = match.index + match[0].length;
+    }
+    nodes.push(this.text.slice(last));
+    if (isStreaming) nodes.push(span("cursor", "▍"));
+    this.answer.replaceChildren(...nodes);
+  }
+
+  citeLink(n, label) {
+    const details = this.citations.get(n);
+    if (!details) return label;
+    const link = document.createElement("a");
+    link.href = `#${this.citeId(n)}`;
+    link.className = "cite-ref";
+    link.textContent = label;
+    link.setAttribute("aria-label", `Source ${n}`);
+    link.addEventListener("click", (e) => {
+      e.preventDefault();
+      details.open = true;
+      details.scrollIntoView({ block: "nearest", behavior: "smooth" });
+      details.querySelector("summary").focus();
+    });
+    return link;
+  }
+
+  done({ answer, usage, timings, finish_reason: reason }) {
+    if (typeof answer === "string") this.text = answer;
+    this.render(false);
+    const stats = this.root.querySelector(".stats");
+    const share = usage.prompt_tokens ? Math.round((100 * usage.cached_tokens) / usage.prompt_tokens) : 0;
+    const rows = [
+      ["Cached tokens", `${usage.cached_tokens} of ${usage.prompt_tokens} (${share}%)`, "cached"],
+      ["TTFT", ms(timings.ttft_ms), "ttft"],
+      ["Tokens out", `${usage.completion_tokens}`, "completion"],
+      ["Per token", ms(timings.tpot_ms), "tpot"],
+      ["Retrieval", ms((timings.embed_ms || 0) + (timings.search_ms || 0) + (timings.rerank_ms || 0)), "retrieval"],
+      ["Total", ms(timings.total_ms), "total"],
+    ];
+    stats.replaceChildren(...rows.map(([term, value, key]) => statRow(term, value, key)));
+    stats.hidden = false;
+    if (reason === "length") this.notice("The answer stopped at the max tokens limit.");
+  }
+
+  finish() {
+    this.answer.setAttribute("aria-busy", "false");
+    if (this.answer.querySelector(".cursor")) this.render(false);
+    if (!this.text) this.answer.replaceChildren(span("muted", "(empty answer)"));
+  }
+
+  fail(message) {
+    this.answer.setAttribute("aria-busy", "false");
+    this.render(false);
+    this.root.classList.add("failed");
+    this.notice(message);
+  }
+
+  notice(text) {
+    const notice = this.root.querySelector(".notice");
+    notice.textContent = notice.hidden ? text : `${notice.textContent} ${text}`;
+    notice.hidden = false;
+  }
+}
+
+function span(className, text) {
+  const el = document.createElement("span");
+  el.className = className;
+  el.textContent = text;
+  return el;
+}
+
+function statRow(term, value, key) {
+  const row = document.createElement("div");
+  const dt = document.createElement("dt");
+  dt.textContent = term;
+  const dd = document.createElement("dd");
+  dd.textContent = value;
+  dd.dataset.stat = key;
+  row.append(dt, dd);
+  return row;
+}
+
+function ms(value) {
+  if (value == null || Number.isNaN(value)) return "–";
+  return value >= 1000 ? `${(value / 1000).toFixed(2)} s` : `${Math.round(value)} ms`;
+}

@@ -1,0 +1,53 @@
+// Entry point: wire the panels to the page and keep the service status in the top bar fresh.
+
+import { AskPanel } from "./ask.js";
+import { DocumentsPanel } from "./documents.js";
+
+const READY_POLL_MS = 2000;
+const STATUS_POLL_MS = 15000;
+
+/** Shows /readyz's component map; polls fast while loading, slowly once ready. */
+class StatusBar {
+  constructor(list) {
+    this.list = list;
+  }
+
+  async refresh() {
+    let isReady = false;
+    try {
+      const response = await fetch("/readyz");
+      const body = await response.json();
+      isReady = response.ok;
+      this.render(body.components || {});
+    } catch (err) {
+      this.render({ server: `unreachable: ${err.message}` });
+    }
+    setTimeout(() => this.refresh(), isReady ? STATUS_POLL_MS : READY_POLL_MS);
+    return isReady;
+  }
+
+  render(components) {
+    const items = Object.entries(components).map(([name, status]) => {
+      const item = document.createElement("li");
+      const kind = status === "ok" ? "ok" : status === "loading" ? "loading" : "problem";
+      item.className = `component component-${kind}`;
+      item.dataset.component = name;
+      item.title = `${name}: ${status}`;
+      item.textContent = kind === "ok" ? name : `${name}: ${status}`;
+      return item;
+    });
+    this.list.replaceChildren(...items);
+  }
+}
+
+function main() {
+  const field = document.querySelector("#collection");
+  const collection = () => (field.checkValidity() && field.value.trim()) || "default";
+  const documents = new DocumentsPanel(document.querySelector(".docs"), collection);
+  new AskPanel(document.querySelector(".ask"), collection);
+  const status = new StatusBar(document.querySelector("#components"));
+  field.addEventListener("change", () => documents.refresh());
+  status.refresh().then(() => documents.refresh());
+}
+
+main();
