@@ -133,6 +133,12 @@ class ModelRunner:
         pool = torch.zeros(*shape, config.head_dim, dtype=self.dtype, device=self.device)
         return [(pool[0, i], pool[1, i]) for i in range(config.num_layers)]
 
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        """How many of this runner's KV blocks ``budget_bytes`` would hold."""
+        return num_blocks_for_budget(
+            budget_bytes, block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token
+        )
+
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """The checkpoint's tokenizer (loaded on first use, cached under ``cache_dir``)."""

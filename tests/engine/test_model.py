@@ -47,26 +47,38 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def test_prefill_logits_match_transformers(runner, hf_model):
-    for prompt in PROMPTS:
-        ids = runner.tokenizer.encode(prompt)
+@pytest.fixture(scope="module")
+def prompt_ids(runner) -> list[list[int]]:
+    return [runner.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logits(hf_model, prompt_ids) -> list[torch.Tensor]:
+    return [hf_logits(hf_model, ids) for ids in prompt_ids]
+
+
+def test_prefill_logits_match_transformers(runner, prompt_ids, hf_prompt_logits):
+    for ids, expected in zip(prompt_ids, hf_prompt_logits, strict=True):
         blocks = list(range(-(-len(ids) // runner.block_size)))
         ours = runner.run([StepItem(ids, 0, blocks, True)], all_logits=True)
-        torch.testing.assert_close(ours, hf_logits(hf_model, ids), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_paged_decode_steps_match_transformers(runner, hf_model):
-    ids = runner.tokenizer.encode(PROMPTS[0])
+def test_paged_decode_steps_match_transformers(runner, hf_model, prompt_ids):
+    ids = list(prompt_ids[0])
+    num_prompt = len(ids)
     blocks = [9, 3, 17, 4, 30]  # scattered on purpose: reads must follow the block table
-    logits = runner.run([StepItem(ids, 0, blocks, True)])
+    step_logits = [runner.run([StepItem(ids, 0, blocks, True)])[0]]
     for _ in range(6):
-        ids.append(int(logits[-1].argmax()))
-        logits = runner.run([StepItem(ids[-1:], len(ids) - 1, blocks, True)])
-        torch.testing.assert_close(logits[0], hf_logits(hf_model, ids)[-1], atol=ATOL, rtol=RTOL)
+        ids.append(int(step_logits[-1].argmax()))
+        step_logits.append(runner.run([StepItem(ids[-1:], len(ids) - 1, blocks, True)])[0])
+    # one causal forward over the final sequence gives the reference for every decode step
+    expected = hf_logits(hf_model, ids)[num_prompt - 1 :]
+    torch.testing.assert_close(torch.stack(step_logits), expected, atol=ATOL, rtol=RTOL)
 
 
-def test_mixed_batch_matches_transformers_per_sequence(runner, hf_model):
-    a, b, c = (runner.tokenizer.encode(p) for p in PROMPTS)
+def test_mixed_batch_matches_transformers_per_sequence(runner, prompt_ids, hf_prompt_logits):
+    a, b, c = prompt_ids
     blocks_a, blocks_b, blocks_c = list(range(40, 43)), list(range(50, 60)), list(range(10, 20))
     runner.run([StepItem(a[:-1], 0, blocks_a, False), StepItem(b[:-1], 0, blocks_b, False)])
     # two decodes (a, b) and one fresh prefill (c), in an order that is not decode-first
@@ -77,7 +89,7 @@ def test_mixed_batch_matches_transformers_per_sequence(runner, hf_model):
             StepItem(b[-1:], len(b) - 1, blocks_b, True),
         ]
     )
-    expected = torch.stack([hf_logits(hf_model, s)[-1] for s in (c, a, b)])
+    expected = torch.stack([hf_prompt_logits[i][-1] for i in (2, 0, 1)])
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
 
 

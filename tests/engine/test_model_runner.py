@@ -81,6 +81,8 @@ def test_kv_sizing_matches_the_allocated_pool(runner):
     cfg = runner.model_config
     assert runner.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     per_block = 8 * runner.kv_bytes_per_token
+    assert runner.num_blocks_for_budget(pool_bytes) == runner.num_blocks
+    assert runner.num_blocks_for_budget(pool_bytes - 1) == runner.num_blocks - 1
     assert (
         num_blocks_for_budget(10 * per_block + 1, block_size=8, kv_bytes_per_token=per_block // 8)
         == 10
