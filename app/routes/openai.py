@@ -113,7 +113,7 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
         )
     except ServiceError as exc:
-        raise OpenAIError(str(exc), exc.status_code, "max_tokens") from exc
+        raise OpenAIError(str(exc), exc.status_code, getattr(exc, "param", "max_tokens")) from exc
     except ValueError as exc:
         raise OpenAIError(str(exc)) from exc
 

@@ -21,9 +21,16 @@ logger = logging.getLogger(__name__)
 
 
 class PromptTooLongError(ServiceError):
-    """The prompt (plus the tokens asked for) does not fit the model's context window."""
+    """The prompt (plus the tokens asked for) does not fit the model's context window.
+
+    ``param`` names the request field to change: the prompt, or max_tokens.
+    """
 
     status_code = 400
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def engine_config_from_settings(settings: Settings) -> EngineConfig:
@@ -72,7 +79,8 @@ class LLMService:
         if room < 1:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {num_prompt_tokens} tokens. Shorten the prompt."
+                f"has {num_prompt_tokens} tokens. Shorten the prompt.",
+                param="prompt",
             )
         if requested is None:
             return min(self.settings.default_max_tokens, room)
@@ -84,7 +92,8 @@ class LLMService:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens; you asked "
                 f"for {num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt, "
-                f"{requested} for the completion). Shorten the prompt or lower max_tokens."
+                f"{requested} for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
             )
         return requested
 

@@ -1,0 +1,246 @@
+"""Engine speed against Hugging Face transformers on the same model, side by side in one run.
+
+Measures (medians over --repeats):
+- TTFT of a 2,048-token shared prefix + 32-token new suffix, cold vs warm (prefix cached);
+- prefill tokens/s, ours vs transformers (one forward over the same prompt);
+- decode tokens/s at batch 1, ours vs transformers `generate`;
+- aggregate decode tokens/s with 8 concurrent requests vs transformers run one after another;
+- KV bytes per token against 2 * layers * kv_heads * head_dim * dtype bytes;
+- engine overhead per decode step (scheduler + cache bookkeeping, no model) at 64 sequences.
+
+Writes bench/results/engine_bench.json and .png, prints a summary.
+
+    python -m bench.engine_bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from app.settings import get_settings, packaged_llm_path
+from bench.engine_overhead import measure as measure_overhead
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+# A real long English text that every Debian machine has.
+SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def corpus_ids(engine: LLMEngine, num_tokens: int, offset: int = 0) -> list[int]:
+    ids = engine.tokenizer.encode(SOURCE_TEXT.read_text())
+    if len(ids) < offset + num_tokens:
+        raise ValueError(f"{SOURCE_TEXT} is too short for {offset + num_tokens} tokens")
+    return ids[offset : offset + num_tokens]
+
+
+def load_peer():
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(packaged_llm_path())
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams, namespace: bytes):
+    seq_id = engine.add_request(ids, params, namespace=namespace)
+    while True:
+        for event in engine.step():
+            if event.seq_id == seq_id and hasattr(event.output, "ttft_s"):
+                return event.output
+
+
+def ttft_cold_warm(engine: LLMEngine, prefix: list[int], suffixes: list[list[int]]) -> dict:
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    cold, warm, cached = [], [], []
+    for suffix in tqdm(suffixes, desc="TTFT cold/warm"):
+        ns = uuid.uuid4().bytes  # a fresh namespace sees an empty cache: a true cold start
+        cold.append(run_one(engine, prefix + suffix, one, ns).ttft_s)
+        other = suffixes[(suffixes.index(suffix) + 1) % len(suffixes)]
+        warm_result = run_one(engine, prefix + other, one, ns)
+        warm.append(warm_result.ttft_s)
+        cached.append(warm_result.cached_tokens)
+    return {
+        "cold_ttft_ms": 1000 * statistics.median(cold),
+        "warm_ttft_ms": 1000 * statistics.median(warm),
+        "warm_over_cold": statistics.median(warm) / statistics.median(cold),
+        "warm_cached_tokens": statistics.median(cached),
+    }
+
+
+def peer_prefill_s(model, ids: list[int], repeats: int) -> float:
+    x = torch.tensor([ids])
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(x, use_cache=False)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peer_generate_s(model, ids: list[int], new_tokens: int) -> float:
+    kwargs = {"do_sample": False, "pad_token_id": 0}
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        return time.perf_counter() - start
+
+
+def decode_batch1(engine, model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ours = [1 / run_one(engine, prompt, params, uuid.uuid4().bytes).tpot_s for _ in range(repeats)]
+    peer = []
+    for _ in tqdm(range(repeats), desc="transformers batch-1 decode"):
+        # decode time = a generate of N tokens minus a generate of 1 (its prefill)
+        total = peer_generate_s(model, prompt, new_tokens)
+        prefill = peer_generate_s(model, prompt, 1)
+        peer.append((new_tokens - 1) / (total - prefill))
+    return {
+        "ours_tok_s": statistics.median(ours),
+        "transformers_tok_s": statistics.median(peer),
+        "ratio": statistics.median(ours) / statistics.median(peer),
+    }
+
+
+def concurrent(engine, model, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    ours_s = time.perf_counter() - start
+    total_tokens = sum(r.completion_tokens for r in results)
+    peer_s = sum(peer_generate_s(model, p, new_tokens) for p in tqdm(prompts, desc="sequential"))
+    return {
+        "num_requests": len(prompts),
+        "ours_tok_s": total_tokens / ours_s,
+        "transformers_sequential_tok_s": total_tokens / peer_s,
+        "ratio": peer_s / ours_s,
+    }
+
+
+def prefill(engine, model, prompt: list[int], repeats: int) -> dict:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ours = [run_one(engine, prompt, params, uuid.uuid4().bytes).ttft_s for _ in range(repeats)]
+    peer = peer_prefill_s(model, prompt, repeats)
+    return {
+        "prompt_tokens": len(prompt),
+        "ours_tok_s": len(prompt) / statistics.median(ours),
+        "transformers_tok_s": len(prompt) / peer,
+        "ratio": peer / statistics.median(ours),
+    }
+
+
+def kv_bytes(engine: LLMEngine) -> dict:
+    cfg, runner = engine.runner.model_config, engine.runner
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    expected = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    return {"measured": runner.kv_bytes_per_token, "expected": expected, "dtype": str(runner.dtype)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    t = result["ttft"]
+    left.bar(
+        ["cold", "warm (prefix cached)"],
+        [t["cold_ttft_ms"], t["warm_ttft_ms"]],
+        color=["#888", "#2a7"],
+    )
+    left.set_ylabel("TTFT (ms)")
+    left.set_title(f"{result['prefix_tokens']}-token prefix + {result['suffix_tokens']} new")
+    names = ["prefill", "decode b=1", "decode x8 concurrent"]
+    ratios = [
+        result["prefill"]["ratio"],
+        result["decode_batch1"]["ratio"],
+        result["concurrent"]["ratio"],
+    ]
+    goals = [1, 3, 5]
+    right.bar(names, ratios, color="#36c", label="ours / transformers")
+    right.scatter(names, goals, color="red", marker="_", s=800, label="goal", zorder=3)
+    right.set_ylabel("speed-up over transformers (x)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-tokens", type=int, default=2048)
+    parser.add_argument("--suffix-tokens", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "engine_bench.json")
+    args = parser.parse_args()
+
+    settings = get_settings()
+    config = EngineConfig(
+        model=packaged_llm_path(),
+        cache_dir=str(settings.cache_dir / "models"),
+        kv_cache_gb=1.0,
+        max_num_batched_tokens=4096,
+    )
+    engine = LLMEngine(config)
+    model = load_peer()
+    prefix = corpus_ids(engine, args.prefix_tokens)
+    step = args.suffix_tokens
+    suffixes = [
+        corpus_ids(engine, step, args.prefix_tokens + i * step) for i in range(args.repeats + 1)
+    ]
+    chat_prompt = engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+        )
+    )
+    concurrent_prompts = [corpus_ids(engine, 64, 4000 + 64 * i) for i in range(args.concurrency)]
+
+    run_one(engine, chat_prompt, SamplingParams(max_tokens=4), b"warm-up")
+    result = {
+        "model": os.path.basename(config.model),
+        "device": str(engine.runner.device),
+        "torch_threads": torch.get_num_threads(),
+        "prefix_tokens": args.prefix_tokens,
+        "suffix_tokens": args.suffix_tokens,
+        "ttft": ttft_cold_warm(engine, prefix, suffixes),
+        "prefill": prefill(engine, model, prefix + suffixes[0], args.repeats),
+        "decode_batch1": decode_batch1(
+            engine, model, chat_prompt, args.decode_tokens, args.repeats
+        ),
+        "concurrent": concurrent(engine, model, concurrent_prompts, args.decode_tokens),
+        "kv_bytes_per_token": kv_bytes(engine),
+    }
+    overhead = measure_overhead("cache_on", 64, 500, 0)
+    result["step_overhead_us_at_64_seqs"] = overhead["median_us"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    t = result["ttft"]
+    print(
+        f"TTFT {args.prefix_tokens}+{args.suffix_tokens}: cold {t['cold_ttft_ms']:.0f} ms, "
+        f"warm {t['warm_ttft_ms']:.0f} ms -> warm/cold {t['warm_over_cold']:.3f} (goal <= 0.05)"
+    )
+    for key, goal in (("prefill", 1), ("decode_batch1", 3), ("concurrent", 5)):
+        r = result[key]
+        print(f"{key}: ours/transformers = {r['ratio']:.2f}x (goal >= {goal}x)  {r}")
+    print(f"KV bytes/token: {result['kv_bytes_per_token']}")
+    print(f"engine overhead per decode step at 64 seqs: {overhead['median_us']:.0f} us")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

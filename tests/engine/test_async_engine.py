@@ -1,0 +1,104 @@
+"""The async front end: concurrent requests batch together, cancellation frees blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import GenerationDelta, GenerationResult
+from engine.sampling_params import SamplingParams
+from tests.engine.llm_fixtures import make_engine
+
+PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+    "Once upon a time, in a small village,",
+    "The boiling point of water at sea level is",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(request):
+    eng = AsyncEngine(make_engine(request, num_kv_blocks=128, max_num_seqs=8))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
+    deltas, result = [], None
+    async for item in engine.generate(prompt, params):
+        if isinstance(item, GenerationDelta):
+            deltas.append(item.text)
+        else:
+            result = item
+    return "".join(deltas), result
+
+
+def test_concurrent_requests_match_one_at_a_time_and_batch(engine):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        alone = [await collect(engine, p, params) for p in PROMPTS]
+        batch_sizes: list[int] = []
+
+        async def watch():
+            while True:
+                stats = await engine.call(lambda e: e.cache_stats())
+                batch_sizes.append(stats["num_running"])
+                await asyncio.sleep(0)
+
+        watcher = asyncio.ensure_future(watch())
+        together = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+        watcher.cancel()
+        return alone, together, max(batch_sizes)
+
+    alone, together, most_running = asyncio.run(main())
+    for (text_a, res_a), (text_b, res_b) in zip(alone, together, strict=True):
+        assert res_a.token_ids == res_b.token_ids
+        assert text_a == res_a.text and text_b == res_b.text
+        assert res_b.completion_tokens == 24 and res_b.finish_reason == "length"
+    assert most_running > 1  # they really ran in one batch
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        before = await engine.call(lambda e: e.cache_stats())
+        stream = engine.generate(PROMPTS[3], params)
+        got = 0
+        async for item in stream:
+            got += isinstance(item, GenerationDelta)
+            if got == 3:
+                break
+        await stream.aclose()
+        after = await engine.call(lambda e: e.cache_stats())
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert after["num_running"] == 0 and after["num_waiting"] == 0
+    # Only cache-owned blocks stay in use; the request's private blocks went back to the pool.
+    assert after["blocks_used"] == after["blocks_cached"]
+    assert after["blocks_used"] >= before["blocks_used"]
+
+
+def test_stop_string_and_bad_prompt(engine):
+    async def main():
+        full_text, _ = await collect(
+            engine, PROMPTS[1], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        )
+        stop = full_text.strip().split()[1]
+        text, result = await collect(
+            engine, PROMPTS[1], SamplingParams(max_tokens=32, temperature=0.0, stop=[stop])
+        )
+        with pytest.raises(ValueError, match="context window"):
+            await collect(engine, [1] * (engine.max_model_len + 1), SamplingParams(max_tokens=1))
+        return full_text, stop, text, result
+
+    full_text, stop, text, result = asyncio.run(main())
+    assert isinstance(result, GenerationResult)
+    assert result.finish_reason == "stop" and result.stop_reason == stop
+    assert text == full_text[: full_text.index(stop)]

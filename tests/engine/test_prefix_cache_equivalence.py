@@ -1,0 +1,98 @@
+"""The invariant of the prefix cache: greedy output with the cache on equals output with it off,
+whatever was cached before and whatever shares the batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from tests.engine.llm_fixtures import greedy_ids, make_engine
+
+BLOCK = 16
+
+SHARED = (
+    "You are a careful assistant. Answer from the sources below and cite them.\n"
+    "[1] The Rhine rises in the Swiss Alps and flows north to the North Sea, passing Basel, "
+    "Strasbourg, Cologne and Rotterdam. It is about 1,230 kilometres long.\n"
+    "[2] The Danube rises in the Black Forest and flows east to the Black Sea through ten "
+    "countries, more than any other river in the world.\n"
+)
+QUESTIONS = [
+    "Question: Which river reaches the North Sea?\nAnswer:",
+    "Question: How many countries does the Danube cross?\nAnswer:",
+    "Question: Where does the Rhine rise?\nAnswer:",
+]
+
+
+@pytest.fixture(scope="module")
+def engine_on(request: pytest.FixtureRequest) -> LLMEngine:
+    return make_engine(request, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def engine_off(request: pytest.FixtureRequest) -> LLMEngine:
+    return make_engine(request, block_size=BLOCK, enable_prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine_on: LLMEngine) -> list[list[int]]:
+    tok = engine_on.tokenizer
+    return [tok.encode(SHARED + q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(engine_off: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone, cache off: the output every other configuration must reproduce."""
+    outputs = []
+    for p in prompts:
+        ids, cached = greedy_ids(engine_off, [p])
+        assert cached == [0]
+        outputs.append(ids[0])
+    return outputs
+
+
+def test_shared_prefix_hits_and_matches_cache_off(engine_on, prompts, reference):
+    first, cached_first = greedy_ids(engine_on, [prompts[0]])
+    assert cached_first == [0]  # nothing of this prefix was computed before
+    second, cached_second = greedy_ids(engine_on, [prompts[1]])
+    assert first[0] == reference[0]
+    assert second[0] == reference[1]
+    shared = len(_common_prefix(prompts[0], prompts[1]))
+    # Only whole blocks are shared, and the shared prefix ends mid-block here.
+    assert shared % BLOCK != 0
+    assert cached_second[0] == shared // BLOCK * BLOCK > 0
+
+
+def test_fully_cached_prompt_matches_cache_off(engine_on, prompts, reference):
+    greedy_ids(engine_on, [prompts[2]])
+    again, cached = greedy_ids(engine_on, [prompts[2]])
+    assert again[0] == reference[2]
+    # Its prompt and the first 64 generated tokens' full blocks are cached; all of the prompt
+    # but the block holding its last token is reused.
+    assert cached[0] >= (len(prompts[2]) - 1) // BLOCK * BLOCK
+
+
+def test_mixed_batch_with_hits_and_misses_matches_cache_off(engine_on, engine_off, prompts):
+    tok = engine_on.tokenizer
+    fresh = tok.encode("A completely different story begins: once upon a time")
+    batch = [prompts[1], fresh, prompts[0], prompts[2][: len(prompts[2]) - 5]]
+    on_ids, on_cached = greedy_ids(engine_on, batch)
+    off_ids, off_cached = greedy_ids(engine_off, batch)
+    assert on_ids == off_ids
+    assert off_cached == [0, 0, 0, 0]
+    assert on_cached[0] > 0 and on_cached[2] > 0 and on_cached[1] == 0
+
+
+def test_after_evictions_matches_cache_off(request, prompts, reference):
+    # A pool of 24 blocks holds one request at a time, so every run evicts earlier prefixes.
+    small = make_engine(request, block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2)
+    outputs = [greedy_ids(small, [p])[0][0] for p in (*prompts, prompts[0], prompts[1])]
+    assert small.cache_stats()["evicted_blocks"] > 0
+    assert outputs == [*reference, reference[0], reference[1]]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
