@@ -57,11 +57,13 @@ class Tokenizer:
         return self.backend.id_to_token(min(self.eos_token_ids))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens``, BOS is prepended if the model wants
-        one. Special-token text inside ``text`` (``<|im_start|>``) maps to its special id."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            return [self.bos_token_id, *ids]
+        """Token ids of ``text``; with ``add_special_tokens``, the tokenizer's own post-processing
+        runs (and BOS is prepended if the model asks for one and that did not add it).
+        Special-token text inside ``text`` (``<|im_start|>``) maps to its special id."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            return [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -49,7 +49,8 @@ def test_encode_and_decode_match_transformers(ours, reference):
         ids = ours.encode(text)
         assert ids == reference.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == reference.decode(ids), text
-    assert ours.encode("hi", add_special_tokens=True) == reference.encode("hi")
+    for text in TEXTS[:3]:
+        assert ours.encode(text, add_special_tokens=True) == reference.encode(text)
 
 
 def test_special_ids_and_vocab(ours, reference):
@@ -83,6 +84,7 @@ def test_hf_directory_tokenizer_matches(reference, tmp_path):
     from_dir = Tokenizer.from_hf_dir(tmp_path)
     for text in TEXTS:
         assert from_dir.encode(text) == reference.encode(text, add_special_tokens=False)
+        assert from_dir.encode(text, add_special_tokens=True) == reference.encode(text)
     expected = reference.apply_chat_template(CONVERSATIONS[1], tokenize=False)
     assert from_dir.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=False) == expected
     assert reference.eos_token_id in from_dir.eos_token_ids
@@ -110,3 +112,18 @@ def test_template_is_sandboxed_and_errors_are_value_errors(ours):
         evil.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError):
         ours.apply_chat_template([{"content": "no role"}])
+
+
+def test_add_bos_token_prepends_bos_once(ours):
+    with_bos = Tokenizer(
+        ours.backend,
+        bos_token_id=ours.bos_token_id,
+        eos_token_ids=ours.eos_token_ids,
+        chat_template=None,
+        add_bos_token=True,
+    )
+    plain = ours.encode("some text")
+    assert with_bos.encode("some text", add_special_tokens=True) == [ours.bos_token_id, *plain]
+    assert with_bos.encode("some text") == plain
+    with pytest.raises(ValueError, match="no chat template"):
+        with_bos.apply_chat_template([{"role": "user", "content": "x"}])
