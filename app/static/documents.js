@@ -101,7 +101,7 @@ export class DocumentsPanel {
     const where = `in “${this.collection()}”`;
     if (page.total === 0) this.summary.textContent = `No documents ${where} yet.`;
     else if (shown < page.total) this.summary.textContent = `${shown} of ${page.total} ${where}`;
-    else this.summary.textContent = `${page.total} document${page.total === 1 ? "" : "s"} ${where}`;
+    else this.summary.textContent = `${plural(page.total, "document")} ${where}`;
   }
 
   row(doc) {
@@ -109,7 +109,7 @@ export class DocumentsPanel {
     item.dataset.documentId = doc.id;
     item.dataset.status = doc.status;
     item.querySelector(".doc-title").textContent = doc.title;
-    const chunks = doc.status === "ready" ? ` · ${doc.num_chunks} chunks` : "";
+    const chunks = doc.status === "ready" ? ` · ${plural(doc.num_chunks, "chunk")}` : "";
     item.querySelector(".doc-meta").textContent = `${formatBytes(doc.num_bytes)}${chunks}`;
     const badge = item.querySelector(".badge");
     badge.textContent = doc.status;
@@ -131,6 +131,10 @@ export class DocumentsPanel {
       ...messages.map((text) => Object.assign(document.createElement("p"), { textContent: text })),
     );
   }
+}
+
+function plural(n, noun) {
+  return `${n} ${noun}${n === 1 ? "" : "s"}`;
 }
 
 function formatBytes(n) {

@@ -12,15 +12,15 @@ export class SSEParser {
     this.dataLines = [];
   }
 
-  /** Returns the events ({event, data}) completed by `text`, in order. */
-  push(text) {
+  /** Returns the events ({event, data}) completed by `text`, in order; `isFinal` on the last. */
+  push(text, isFinal = false) {
     this.buffer += text;
     const events = [];
     let start = 0;
     LINE_END.lastIndex = 0;
     for (let match = LINE_END.exec(this.buffer); match; match = LINE_END.exec(this.buffer)) {
       // A lone "\r" at the very end may be the first half of "\r\n": wait for the next read.
-      if (match[0] === "\r" && match.index === this.buffer.length - 1) break;
+      if (!isFinal && match[0] === "\r" && match.index === this.buffer.length - 1) break;
       const event = this.line(this.buffer.slice(start, match.index));
       start = LINE_END.lastIndex;
       if (event) events.push(event);
@@ -58,7 +58,7 @@ export async function readEvents(response, onEvent) {
   for (;;) {
     const { done, value } = await reader.read();
     const text = done ? decoder.decode() : decoder.decode(value, { stream: true });
-    for (const { event, data } of parser.push(text)) onEvent(event, JSON.parse(data));
+    for (const { event, data } of parser.push(text, done)) onEvent(event, JSON.parse(data));
     if (done) return;
   }
 }

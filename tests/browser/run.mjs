@@ -1,0 +1,159 @@
+// End-to-end check of the web page in Debian's chromium, driven by playwright-core.
+// Usage: node run.mjs BASE_URL OUT_DIR DOCUMENT_PATH QUESTION
+// Exits non-zero with a message on the first expectation that fails; writes page.png to OUT_DIR.
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { basename, join } from "node:path";
+
+import { chromium } from "playwright-core";
+
+const [baseUrl, outDir, documentPath, question] = process.argv.slice(2);
+if (!question) throw new Error("usage: node run.mjs BASE_URL OUT_DIR DOCUMENT_PATH QUESTION");
+const STEP_MS = 60_000;
+const ANSWER_MS = 240_000;
+// Without the background-networking flags chromium keeps dialing Google hosts on a closed network.
+const ARGS = [
+  "--no-sandbox",
+  "--disable-gpu",
+  "--disable-quic",
+  "--no-first-run",
+  "--disable-background-networking",
+  "--disable-component-update",
+  "--disable-sync",
+];
+
+function check(condition, message) {
+  if (!condition) throw new Error(`expectation failed: ${message}`);
+}
+
+async function rejectsUnsupportedFile(page) {
+  await page.setInputFiles("#file-input", {
+    name: "picture.png",
+    mimeType: "image/png",
+    buffer: Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0, 0, 0, 0]),
+  });
+  const error = page.locator("#docs-error");
+  await error.waitFor({ state: "visible", timeout: STEP_MS });
+  const text = await error.innerText();
+  check(/415/.test(text) && /picture\.png/.test(text), `the 415 error is shown, got ${JSON.stringify(text)}`);
+  console.log(`upload error shown: ${text}`);
+}
+
+// A real drop event carrying a File, the way a person drags one onto the page.
+async function dropFile(page, name, text) {
+  await page.evaluate(
+    ([fileName, content]) => {
+      const data = new DataTransfer();
+      data.items.add(new File([content], fileName, { type: "text/plain" }));
+      const zone = document.querySelector("#dropzone");
+      zone.dispatchEvent(new DragEvent("dragover", { dataTransfer: data, bubbles: true, cancelable: true }));
+      zone.dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true, cancelable: true }));
+    },
+    [name, text],
+  );
+}
+
+async function waitReady(page, title) {
+  const row = page.locator(".doc", { hasText: title });
+  await row.waitFor({ timeout: STEP_MS });
+  const seen = new Set([await row.getAttribute("data-status")]);
+  await page.locator(".doc[data-status=ready]", { hasText: title }).waitFor({ timeout: STEP_MS });
+  console.log(`document ${title}: ready (first seen as ${[...seen].join(", ")})`);
+}
+
+// Records each distinct answer text while the answer is still busy, to prove it streamed.
+async function watchAnswer(page) {
+  await page.evaluate(() => {
+    window.__answerTexts = [];
+    new MutationObserver(() => {
+      const answer = document.querySelector(".turn .answer");
+      if (!answer || answer.getAttribute("aria-busy") !== "true") return;
+      const text = answer.innerText.replace("▍", "").trim();
+      const seen = window.__answerTexts;
+      if (text && !text.startsWith("Retrieving") && !text.startsWith("Generating") && seen.at(-1) !== text) {
+        seen.push(text);
+      }
+    }).observe(document.querySelector("#answers"), { subtree: true, childList: true, characterData: true });
+  });
+}
+
+async function ask(page) {
+  await watchAnswer(page);
+  await page.locator(".options summary").click();
+  await page.fill("#max-tokens", "24");
+  await page.fill("#question", question);
+  await page.click("#ask-button");
+  const turn = page.locator(".turn").first();
+  await turn.locator(".answer[aria-busy=false]").waitFor({ timeout: ANSWER_MS });
+  const failure = await turn.locator(".notice").innerText();
+  check(!(await turn.evaluate((el) => el.classList.contains("failed"))), `the answer failed: ${failure}`);
+  const streamed = await page.evaluate(() => window.__answerTexts);
+  const answer = await turn.locator(".answer").innerText();
+  check(answer.trim().length > 0, "the answer has text");
+  check(streamed.length >= 2, `the answer arrived in pieces, saw ${streamed.length} partial texts`);
+  console.log(`answer streamed in ${streamed.length} updates: ${JSON.stringify(answer)}`);
+  return turn;
+}
+
+async function checkCitationsAndStats(turn, title) {
+  const citations = turn.locator(".citation");
+  check((await citations.count()) >= 1, "at least one citation");
+  const first = citations.first();
+  check((await first.locator(".cite-n").innerText()) === "[1]", "citations are numbered from [1]");
+  check((await first.locator(".cite-title").innerText()) === title, "the citation names the document");
+  check(!(await first.locator(".cite-text").isVisible()), "the source text starts collapsed");
+  await first.locator("summary").click();
+  await first.locator(".cite-text").waitFor({ state: "visible", timeout: STEP_MS });
+  const source = await first.locator(".cite-text").innerText();
+  check(source.trim().length > 0, "the expanded citation shows its source text");
+  const cached = await turn.locator("[data-stat=cached]").innerText();
+  const ttft = await turn.locator("[data-stat=ttft]").innerText();
+  check(/^\d+ of \d+ \(\d+%\)$/.test(cached), `cached tokens are shown, got ${JSON.stringify(cached)}`);
+  check(/^[\d.]+ (ms|s)$/.test(ttft), `TTFT is shown, got ${JSON.stringify(ttft)}`);
+  console.log(`${await citations.count()} citations; cached ${cached}; TTFT ${ttft}`);
+}
+
+async function deletes(page, title) {
+  await page.getByRole("button", { name: `Delete ${title}` }).click();
+  await page.locator(".doc", { hasText: title }).waitFor({ state: "detached", timeout: STEP_MS });
+  console.log(`document ${title}: deleted`);
+}
+
+async function main() {
+  const profile = mkdtempSync(join(tmpdir(), "prefixrag-chromium-"));
+  const context = await chromium.launchPersistentContext(profile, {
+    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+    headless: true,
+    args: ARGS,
+    viewport: { width: 1280, height: 900 },
+  });
+  const pageErrors = [];
+  try {
+    const page = context.pages()[0] || (await context.newPage());
+    page.on("pageerror", (err) => pageErrors.push(err.message));
+    await page.goto(baseUrl);
+    await page.locator(".component-ok[data-component=llm]").waitFor({ timeout: STEP_MS });
+    await rejectsUnsupportedFile(page);
+    const title = basename(documentPath); // a text file is titled by its file name
+    await page.setInputFiles("#file-input", documentPath);
+    await dropFile(page, "dropped-note.txt", "A note dropped on the page, to be deleted again.");
+    await waitReady(page, title);
+    await waitReady(page, "dropped-note.txt");
+    await deletes(page, "dropped-note.txt");
+    check((await page.locator("#docs-error").isHidden()), "the upload error clears after good uploads");
+    const turn = await ask(page);
+    await checkCitationsAndStats(turn, title);
+    const screenshot = join(outDir, "page.png");
+    await page.screenshot({ path: screenshot, fullPage: true });
+    console.log(`screenshot: ${screenshot}`);
+    check(pageErrors.length === 0, `no uncaught errors in the page: ${pageErrors.join("; ")}`);
+  } finally {
+    await context.close();
+    rmSync(profile, { recursive: true, force: true });
+  }
+}
+
+main().catch((err) => {
+  console.error(err.stack || String(err));
+  process.exit(1);
+});
