@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.ask_cli import register_ask
 from app.settings import Settings, get_settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -127,7 +128,13 @@ def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-COMMANDS: tuple[Registrar, ...] = (register_serve, register_db, register_ingest, register_index)
+COMMANDS: tuple[Registrar, ...] = (
+    register_serve,
+    register_db,
+    register_ingest,
+    register_index,
+    register_ask,
+)
 
 
 def build_parser(commands: Sequence[Registrar] = COMMANDS) -> argparse.ArgumentParser:

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.routes import documents, health, openai, search, web
+from app.metrics import install_metrics
+from app.routes import documents, health, metrics, openai, query, search, web
+from app.routes.rag_chat import register_rag_model
 from app.services.errors import DuplicateDocumentError, ServiceError
 from app.settings import Settings, get_settings
 from app.state import AppState, ComponentLoader
@@ -27,6 +29,8 @@ ROUTERS: tuple[APIRouter, ...] = (
     documents.router,
     search.router,
     openai.router,
+    query.router,
+    metrics.router,
     web.router,
 )
 
@@ -47,8 +51,10 @@ def create_app(
     state = AppState(settings or get_settings(), embedder=embedder, reranker=reranker)
     if state.settings.load_llm:
         from app.services.llm import load_llm
+        from app.services.prompt_cache import load_prompt_cache
 
         state.add_loader(ComponentLoader("llm", load_llm))
+        state.add_loader(ComponentLoader("prompt_cache", load_prompt_cache, required=False))
     for loader in extra_loaders:
         state.add_loader(loader)
 
@@ -64,6 +70,8 @@ def create_app(
     app.state.prefixrag = state
     app.add_exception_handler(ServiceError, _service_error)
     openai.install_error_handlers(app)
+    install_metrics(app, state)
+    register_rag_model()
     for router in (*ROUTERS, *extra_routers):
         app.include_router(router)
     return app

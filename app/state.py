@@ -20,6 +20,8 @@ from app.services.errors import NotReadyError
 from app.settings import Settings
 
 if TYPE_CHECKING:
+    from app.metrics import Metrics
+    from app.prompting import PromptBuilder
     from app.services.ingest import IngestService
     from app.services.llm import LLMService
     from retrieval.embedder import Embedder
@@ -71,6 +73,8 @@ class AppState:
         self.retriever: Retriever | None = None
         self.ingest: IngestService | None = None
         self.llm: LLMService | None = None
+        self.prompts: PromptBuilder | None = None
+        self.metrics: Metrics | None = None
         self.components: dict[str, str] = {}
         self.loaders: list[ComponentLoader] = []
         self._lock = threading.Lock()

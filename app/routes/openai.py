@@ -88,7 +88,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = llm.encode(llm.chat_prompt(messages))
     params = _sampling_params(body, llm, len(prompt_ids), body.wanted_max_tokens())
-    shape = _ChatShape(llm.model_id)
+    shape = ChatShape(llm.model_id)
     return await _respond(request, body, llm, prompt_ids, params, shape)
 
 
@@ -177,19 +177,20 @@ async def _sse(
 ) -> AsyncIterator[str]:
     first = shape.start()
     if first is not None:
-        yield _event(first)
+        yield sse_event(first)
     async for item in stream:
         if isinstance(item, GenerationDelta):
             if item.text:
-                yield _event(shape.delta(item.text))
+                yield sse_event(shape.delta(item.text))
             continue
-        yield _event(shape.finish(item.finish_reason))
+        yield sse_event(shape.finish(item.finish_reason))
         if include_usage:
-            yield _event(shape.usage_chunk(item))
+            yield sse_event(shape.usage_chunk(item))
     yield "data: [DONE]\n\n"
 
 
-def _event(payload: dict[str, Any]) -> str:
+def sse_event(payload: dict[str, Any]) -> str:
+    """One unnamed server-sent event carrying a JSON payload (OpenAI's stream framing)."""
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
@@ -258,7 +259,9 @@ class _CompletionShape(_Shape):
         return self.envelope(self.object_chunk, [choice])
 
 
-class _ChatShape(_Shape):
+class ChatShape(_Shape):
+    """chat.completion bodies and chat.completion.chunk stream chunks for one response."""
+
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl"

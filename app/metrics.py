@@ -1,0 +1,186 @@
+"""Prometheus metrics of one app, in a registry that app owns (no global registry state).
+
+Request counts and latencies come from an ASGI middleware; TTFT, TPOT and retrieval stage
+latencies are observed by the Q&A service; prefix-cache counters, KV block occupancy and
+documents/chunks by status are read from the engine and the database at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from app.models import Chunk, Document
+from engine.outputs import GenerationResult
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from app.state import AppState
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+KV_BLOCK_STATES = ("used", "free", "pinned", "cached")
+
+
+class Metrics:
+    """Every series the service exports; `render()` is the /metrics body."""
+
+    def __init__(self, state: AppState) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "prefixrag_http_requests", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "prefixrag_http_request_duration_seconds",
+            "HTTP request latency, until the last byte of the response",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefixrag_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            "prefixrag_tpot_seconds", "time per output token", buckets=TOKEN_BUCKETS_S, registry=r
+        )
+        self.stages = {
+            stage: Histogram(
+                f"prefixrag_{stage}_seconds",
+                f"retrieval {stage} latency",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
+            for stage in ("embed", "search", "rerank")
+        }
+        r.register(EngineCollector(state))
+        r.register(DocumentCollector(state))
+
+    def observe_retrieval(self, timings_ms: dict[str, float]) -> None:
+        """Record the embed/search/rerank times of one retrieval (given in ms)."""
+        for stage, histogram in self.stages.items():
+            if f"{stage}_ms" in timings_ms:
+                histogram.observe(timings_ms[f"{stage}_ms"] / 1000.0)
+
+    def observe_generation(self, result: GenerationResult) -> None:
+        """Record one finished generation's TTFT and (if it decoded more than one token) TPOT."""
+        self.ttft.observe(result.ttft_s)
+        if result.completion_tokens > 1:
+            self.tpot.observe(result.tpot_s)
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route, method).observe(seconds)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Prefix-cache token counters and KV block gauges, read from the engine at scrape time."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        llm = self.state.llm
+        if llm is None:
+            return
+        stats = llm.engine.stats()
+        queried = CounterMetricFamily(
+            "prefixrag_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache"
+        )
+        queried.add_metric([], stats["queried_tokens"])
+        hit = CounterMetricFamily(
+            "prefixrag_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"
+        )
+        hit.add_metric([], stats["hit_tokens"])
+        blocks = GaugeMetricFamily(
+            "prefixrag_kv_blocks", "KV cache blocks by state", labels=["state"]
+        )
+        for name in KV_BLOCK_STATES:
+            blocks.add_metric([name], stats[f"blocks_{name}"])
+        yield from (queried, hit, blocks)
+
+
+class DocumentCollector(Collector):
+    """Documents and chunks by document status, counted in the database at scrape time."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        sessions = self.state.sessions
+        if sessions is None:
+            return
+        documents = GaugeMetricFamily(
+            "prefixrag_documents", "documents by status", labels=["status"]
+        )
+        chunks = GaugeMetricFamily(
+            "prefixrag_chunks", "chunks by their document's status", labels=["status"]
+        )
+        try:
+            with sessions() as session:
+                doc_rows = session.execute(
+                    select(Document.status, func.count(Document.id)).group_by(Document.status)
+                ).all()
+                chunk_rows = session.execute(
+                    select(Document.status, func.count(Chunk.id))
+                    .join(Chunk, Chunk.document_id == Document.id)
+                    .group_by(Document.status)
+                ).all()
+        except Exception:  # a scrape must not fail because the database hiccups
+            logger.exception("cannot count documents for /metrics")
+            return
+        for status, count in doc_rows:
+            documents.add_metric([status], count)
+        for status, count in chunk_rows:
+            chunks.add_metric([status], count)
+        yield from (documents, chunks)
+
+
+class MetricsMiddleware:
+    """Counts requests and times them by route template (not raw path, to bound cardinality)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            elapsed = time.perf_counter() - started
+            self.metrics.observe_request(route, scope["method"], status, elapsed)
+
+
+def install_metrics(app: Any, state: AppState) -> Metrics:
+    """Give the app its own Metrics (on `state.metrics`) and the request middleware."""
+    metrics = Metrics(state)
+    state.metrics = metrics
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return metrics

@@ -1,0 +1,19 @@
+"""GET /metrics: Prometheus text format."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.deps import StateDep
+from app.services.errors import NotReadyError
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics")
+def metrics(state: StateDep) -> Response:
+    """Every series of this app's registry."""
+    if state.metrics is None:
+        raise NotReadyError("metrics are not installed on this app")
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

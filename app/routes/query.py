@@ -1,0 +1,85 @@
+"""POST /v1/query: a grounded answer with citations, as JSON or as server-sent events.
+
+Stream events, in order: `citations` (once), `delta` (per decoded text piece), then `done`
+with the answer, usage, timings and finish_reason, or `error` if generation fails after the
+stream started. A client that disconnects aborts the generation and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.deps import StateDep
+from app.qa_schemas import QueryIn, QueryOut
+from app.routes.openai import collect_until_disconnect
+from app.services import qa
+from app.state import AppState
+from engine.outputs import GenerationDelta, GenerationResult
+
+router = APIRouter(prefix="/v1", tags=["query"])
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post("/query", response_model=QueryOut)
+async def query(body: QueryIn, request: Request, state: StateDep) -> Any:
+    """Retrieve, build the prompt and answer; `stream: true` answers with SSE events."""
+    prepared = await qa.prepare_answer(state, body)
+    stream = qa.answer_stream(state, prepared)
+    if body.stream:
+        events = query_events(state, prepared, stream)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    result = await collect_until_disconnect(request, stream)
+    if result is None:  # the client went away; nobody reads a response
+        return JSONResponse({"detail": "client disconnected"}, status_code=499)
+    qa.record_result(state, result)
+    return QueryOut(
+        answer=result.text,
+        citations=qa.citations(prepared),
+        usage=qa.usage(result),
+        timings=qa.timings(prepared, result),
+        dropped_chunks=len(prepared.prompt.dropped),
+        finish_reason=result.finish_reason,
+    )
+
+
+async def query_events(
+    state: AppState,
+    prepared: qa.PreparedAnswer,
+    stream: AsyncIterator[GenerationDelta | GenerationResult],
+) -> AsyncIterator[str]:
+    """The SSE body: citations, deltas, then done (or error)."""
+    cited = [c.model_dump() for c in qa.citations(prepared)]
+    yield sse("citations", {"citations": cited, "dropped_chunks": len(prepared.prompt.dropped)})
+    try:
+        async for item in stream:
+            if isinstance(item, GenerationDelta):
+                if item.text:
+                    yield sse("delta", {"text": item.text})
+                continue
+            qa.record_result(state, item)
+            done = {
+                "answer": item.text,
+                "usage": qa.usage(item).model_dump(),
+                "timings": qa.timings(prepared, item),
+                "finish_reason": item.finish_reason,
+            }
+            yield sse("done", done)
+    except Exception as exc:  # the stream has started: report in-band, not as a status code
+        logger.exception("generation failed mid-stream")
+        yield sse("error", {"detail": f"generation failed: {exc}"})
+    finally:
+        # On a client disconnect this closes the engine stream, which aborts the request.
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    """One named server-sent event with a JSON payload."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,112 @@
+"""The `prefixrag-rag` chat model: /v1/chat/completions answered by the Q&A pipeline.
+
+The last user message is the question. The answer's message content ends with a short
+"Sources:" block, so any OpenAI client shows where it came from; the structured sources are a
+top-level "citations" list in the full response and in the final streamed chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from app.openai_schemas import ChatCompletionRequest, error_body
+from app.qa_schemas import CitationOut, QueryIn
+from app.routes import openai
+from app.services import qa
+from app.services.errors import ServiceError
+from app.state import AppState
+from engine.outputs import GenerationDelta, GenerationResult
+
+RAG_MODEL = "prefixrag-rag"
+
+
+def register_rag_model() -> None:
+    """Serve RAG_MODEL on /v1/chat/completions (and list it on /v1/models); idempotent."""
+    openai.EXTRA_CHAT_MODELS[RAG_MODEL] = rag_chat_completion
+
+
+async def rag_chat_completion(request: Request, body: ChatCompletionRequest) -> Any:
+    """Answer the last user message from the documents, in OpenAI's chat shape."""
+    state: AppState = request.app.state.prefixrag
+    prepared = await _prepare(state, body)
+    cited = qa.citations(prepared)
+    shape = openai.ChatShape(RAG_MODEL)
+    stream = qa.answer_stream(state, prepared)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _chat_events(state, stream, shape, cited, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    result = await openai.collect_until_disconnect(request, stream)
+    if result is None:
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    qa.record_result(state, result)
+    response = shape.full(result)
+    response["choices"][0]["message"]["content"] = result.text + sources_block(cited)
+    response["citations"] = [c.model_dump() for c in cited]
+    return response
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sources_block(cited: list[CitationOut]) -> str:
+    """The sources as text appended to the answer ("" when there are none)."""
+    if not cited:
+        return ""
+    lines = [f"[{c.n}] {c.title}" + ("" if c.page is None else f", page {c.page}") for c in cited]
+    return "\n\nSources:\n" + "\n".join(lines)
+
+
+async def _prepare(state: AppState, body: ChatCompletionRequest) -> qa.PreparedAnswer:
+    questions = [m.text() for m in body.messages if m.role == "user" and m.text().strip()]
+    if not questions:
+        raise openai.OpenAIError("the conversation has no user message", param="messages")
+    try:
+        query = QueryIn(
+            question=questions[-1],
+            max_tokens=body.wanted_max_tokens(),
+            temperature=body.temperature,
+        )
+        return await qa.prepare_answer(state, query)
+    except ValidationError as exc:
+        raise openai.OpenAIError(str(exc), 422, "messages") from exc
+    except ServiceError as exc:
+        raise openai.OpenAIError(str(exc), exc.status_code) from exc
+
+
+async def _chat_events(
+    state: AppState,
+    stream: AsyncIterator[GenerationDelta | GenerationResult],
+    shape: openai.ChatShape,
+    cited: list[CitationOut],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    first = shape.start()
+    if first is not None:
+        yield openai.sse_event(first)
+    try:
+        async for item in stream:
+            if isinstance(item, GenerationDelta):
+                if item.text:
+                    yield openai.sse_event(shape.delta(item.text))
+                continue
+            qa.record_result(state, item)
+            block = sources_block(cited)
+            if block:
+                yield openai.sse_event(shape.delta(block))
+            last = shape.finish(item.finish_reason)
+            last["citations"] = [c.model_dump() for c in cited]
+            yield openai.sse_event(last)
+            if include_usage:
+                yield openai.sse_event(shape.usage_chunk(item))
+    except Exception as exc:  # mid-stream: tell the client in-band
+        yield f"data: {json.dumps(error_body(f'generation failed: {exc}'))}\n\n"
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"

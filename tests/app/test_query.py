@@ -1,0 +1,162 @@
+"""POST /v1/query on a real engine: JSON and SSE answers, citations, limits, prefix reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app.main import create_app
+from app.models import Chunk, Document
+from app.prompting import Source
+from tests.app.conftest import LOAD_TIMEOUT_S, app_state
+from tests.app.qa_helpers import ingest_docs, parse_sse, qa_settings
+
+QUESTION = "Why did ships need the lighthouse beam?"
+
+
+@pytest.fixture(scope="module")
+def qa(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, embedder):
+    settings = qa_settings(tmp_path_factory.mktemp("qa-data"), request, max_question_chars=300)
+    with TestClient(create_app(settings, embedder=embedder)) as client:
+        if not app_state(client).wait_loaded(LOAD_TIMEOUT_S):
+            raise TimeoutError("the app did not finish loading")
+        assert app_state(client).snapshot()["prompt_cache"] == "ok"
+        yield client, ingest_docs(client)
+
+
+def ask(client: TestClient, **body: Any) -> dict[str, Any]:
+    body = {"question": QUESTION, "max_tokens": 8, "temperature": 0, **body}
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def db_chunks(client: TestClient, chunk_ids: list[int]) -> dict[int, tuple[Chunk, str]]:
+    sessions = app_state(client).sessions
+    assert sessions is not None
+    with sessions() as session:
+        rows = session.execute(
+            select(Chunk, Document.title).join(Document).where(Chunk.id.in_(chunk_ids))
+        )
+        return {chunk.id: (chunk, title) for chunk, title in rows}
+
+
+def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):
+    client, _ = qa
+    out = ask(client, top_k=4)
+    cited = out["citations"]
+    assert [c["n"] for c in cited] == list(range(1, len(cited) + 1)) and len(cited) == 4
+    keys = [(c["document_id"], c["start"]) for c in cited]
+    assert keys == sorted(keys)
+    for c in cited:
+        chunk, title = db_chunks(client, [c["chunk_id"]])[c["chunk_id"]]
+        assert (c["text"], c["title"], c["start"], c["end"]) == (
+            chunk.text,
+            title,
+            chunk.char_start,
+            chunk.char_end,
+        )
+        assert c["document_id"] == chunk.document_id
+    assert isinstance(out["answer"], str) and out["dropped_chunks"] == 0
+    assert out["usage"]["completion_tokens"] <= 8
+    assert set(out["timings"]) == {
+        "embed_ms", "search_ms", "rerank_ms", "ttft_ms", "tpot_ms", "total_ms"
+    }  # fmt: skip
+
+
+def test_prompt_tokens_match_tokenizing_the_whole_prompt_text(qa):
+    client, _ = qa
+    out = ask(client, top_k=3)
+    state = app_state(client)
+    assert state.prompts is not None and state.llm is not None
+    sources = [
+        Source(c["chunk_id"], c["document_id"], c["title"], c["text"], c["start"], c["end"])
+        for c in out["citations"]
+    ]
+    whole = state.llm.engine.tokenizer.encode(state.prompts.text(QUESTION, sources))
+    assert out["usage"]["prompt_tokens"] == len(whole)
+
+
+def test_stream_events_in_order_and_deltas_make_the_answer(qa):
+    client, _ = qa
+    plain = ask(client, top_k=3, max_tokens=12)
+    body = {"question": QUESTION, "top_k": 3, "max_tokens": 12, "temperature": 0, "stream": True}
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(response.text)
+    names = [name for name, _ in events]
+    assert names[0] == "citations" and names[-1] == "done"
+    assert set(names[1:-1]) <= {"delta"}
+    assert events[0][1] == {"citations": plain["citations"], "dropped_chunks": 0}
+    done = events[-1][1]
+    assert "".join(data["text"] for name, data in events if name == "delta") == done["answer"]
+    # greedy decoding: the stream says what the plain response says
+    assert done["answer"] == plain["answer"]
+    assert done["finish_reason"] in ("stop", "length")
+    assert done["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def test_same_chunks_new_question_reuses_everything_but_the_question(qa):
+    client, ids = qa
+    state = app_state(client)
+    assert state.llm is not None and state.prompts is not None
+    block_size = state.settings.block_size
+    num_pinned = state.llm.engine.stats()["blocks_pinned"] * block_size
+    assert num_pinned == len(state.prompts.stable_ids) // block_size * block_size > 0
+    # One document's every chunk (top_k covers them all), so both questions get the same set.
+    only = {"document_ids": [ids["volcano.txt"]], "top_k": 10}
+    first = ask(client, question="What rises through cracks in the crust?", **only)
+    second = ask(client, question="What can ash clouds ground?", **only)
+    assert [c["chunk_id"] for c in first["citations"]] == [
+        c["chunk_id"] for c in second["citations"]
+    ]
+    question_ids = state.llm.encode("Question: What can ash clouds ground?<|im_end|>\n")
+    shared = second["usage"]["prompt_tokens"] - len(question_ids) - 3  # 3: "assistant\n" turn
+    assert second["usage"]["cached_tokens"] > num_pinned
+    assert second["usage"]["cached_tokens"] >= shared // block_size * block_size - block_size
+
+
+def test_filters_limit_the_sources(qa):
+    client, ids = qa
+    out = ask(client, document_ids=[ids["garden.md"]], top_k=10)
+    assert out["citations"] and {c["document_id"] for c in out["citations"]} == {ids["garden.md"]}
+
+
+def test_no_matching_documents_still_answers_without_sources(qa):
+    client, _ = qa
+    out = ask(client, collection="empty-collection")
+    assert out["citations"] == [] and out["dropped_chunks"] == 0
+    assert out["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"question": ""}, "question"),
+        ({"question": "   \n"}, "empty"),
+        ({"question": "x" * 301}, "at most 300"),
+        ({"question": QUESTION, "max_tokens": 4096}, "max_tokens"),
+        ({"question": QUESTION, "top_k": 0}, "top_k"),
+        ({"question": QUESTION, "surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_requests_are_422(qa, body, message):
+    client, _ = qa
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == 422
+    assert message in response.text
+
+
+def test_no_request_is_left_in_the_engine_after_answers(qa):
+    client, _ = qa
+    ask(client, top_k=3)
+    streamed = client.post(
+        "/v1/query", json={"question": QUESTION, "max_tokens": 4, "stream": True}
+    )
+    assert parse_sse(streamed.text)[-1][0] == "done"
+    stats = app_state(client).llm.engine.stats()  # type: ignore[union-attr]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
