@@ -30,7 +30,11 @@ export class AskPanel {
   }
 
   body() {
-    const number = (id) => Number(this.form.querySelector(id).value);
+    // An empty field is left out, so the server's default applies.
+    const number = (id) => {
+      const value = this.form.querySelector(id).value.trim();
+      return value === "" ? undefined : Number(value);
+    };
     return {
       question: this.question.value.trim(),
       collection: this.collection(),
