@@ -167,7 +167,8 @@ class PromptBuilder:
             if not kept:
                 raise PromptTooLongError(
                     f"the question needs {total} prompt tokens but only {max_prompt_tokens} fit "
-                    "the context window next to the answer; shorten it or lower max_tokens"
+                    "the context window next to the answer; shorten it or lower max_tokens",
+                    "question",
                 )
             kept.pop()
         return BuiltPrompt(
