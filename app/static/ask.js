@@ -121,11 +121,12 @@ class Turn {
     item.value = c.n;
     const details = document.createElement("details");
     const summary = document.createElement("summary");
-    const page = c.page != null ? ` · page ${c.page}` : "";
+    const meta = [`score ${Number(c.score).toFixed(3)}`];
+    if (c.page != null) meta.unshift(`page ${c.page}`);
     summary.append(
       span("cite-n", `[${c.n}]`),
       span("cite-title", c.title),
-      span("cite-meta muted", `${page} · score ${Number(c.score).toFixed(3)}`),
+      span("cite-meta muted", meta.join(" · ")),
     );
     const source = document.createElement("blockquote");
     source.className = "cite-text";

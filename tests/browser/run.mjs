@@ -146,6 +146,10 @@ async function main() {
     const screenshot = join(outDir, "page.png");
     await page.screenshot({ path: screenshot, fullPage: true });
     console.log(`screenshot: ${screenshot}`);
+    await page.setViewportSize({ width: 390, height: 844 });
+    const narrow = await page.evaluate(() => document.documentElement.scrollWidth);
+    check(narrow <= 390, `no sideways scrolling on a phone-sized screen (page is ${narrow}px wide)`);
+    await page.screenshot({ path: join(outDir, "page-narrow.png"), fullPage: true });
     check(pageErrors.length === 0, `no uncaught errors in the page: ${pageErrors.join("; ")}`);
   } finally {
     await context.close();
