@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from app.ask_cli import iter_sse
 from app.settings import Settings, packaged_embedder_path
@@ -51,7 +51,7 @@ def qa_settings(data_dir: Path, request: pytest.FixtureRequest, **overrides: Any
     return settings
 
 
-def ingest_docs(client: TestClient, collection: str = "default") -> dict[str, int]:
+def ingest_docs(client: httpx.Client, collection: str = "default") -> dict[str, int]:
     """Upload DOCS (waiting for each to be ready); returns document ids by file name."""
     ids = {}
     for name, text in DOCS.items():
