@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
     """Inverse rotary frequencies [head_dim / 2], with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / theta**exponents
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -74,7 +75,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 def build_cos_sin_cache(config: ModelConfig, max_positions: int) -> torch.Tensor:
     """``cat(cos, sin)`` per position, [max_positions, head_dim], float32 (the kernels' layout)."""
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    # explicit CPU: the model may be built under a meta-device context, this buffer may not
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
@@ -191,7 +193,10 @@ class LlamaModel(nn.Module):
         return F.linear(h, head).float()
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in (fusing q/k/v and gate/up); every one must be used."""
+        """Adopt Hugging Face-named weights (fusing q/k/v and gate/up); every one must be used.
+
+        Parameters are replaced, not copied into, so the model may be built on the meta device.
+        """
         from engine.weights.mapping import assign_hf_weights
 
         assign_hf_weights(self, tensors)

@@ -116,7 +116,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(config, num_blocks)
 
     def _build_model(self, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaModel:
-        model = LlamaModel(config, max_positions=self.max_model_len)
+        with torch.device("meta"):
+            model = LlamaModel(config, max_positions=self.max_model_len)
         model.load_hf_weights(tensors)
         return model.to(device=self.device, dtype=self.dtype).eval()
 
