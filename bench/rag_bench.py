@@ -90,9 +90,9 @@ RESULTS = Path(__file__).parent / "results"
 MODEL_CACHE = Path(".pytest_cache/d/prefixrag-engine-models")
 
 
-def interleaved(doc_ids: dict[str, int]) -> list[tuple[str, int, str]]:
+def interleaved(doc_ids: dict[str, int], num_rounds: int) -> list[tuple[str, int, str]]:
     """(page, document id, question), round by round across the conversations."""
-    rounds = zip(*CONVERSATIONS.values(), strict=True)
+    rounds = list(zip(*CONVERSATIONS.values(), strict=True))[:num_rounds]
     names = list(CONVERSATIONS)
     return [
         (n, doc_ids[n], q) for questions in rounds for n, q in zip(names, questions, strict=True)
@@ -221,6 +221,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--kv-gb", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=10, help="questions per conversation")
     args = parser.parse_args()
     embedder = Embedder(packaged_embedder_path())
     results: dict[str, list[dict[str, Any]]] = {}
@@ -230,7 +231,7 @@ def main() -> None:
         if MODEL_CACHE.is_dir():  # reuse the tests' converted weights
             (data_dir / "cache").mkdir(parents=True, exist_ok=True)
             (data_dir / "cache" / "models").symlink_to(MODEL_CACHE.resolve())
-        questions = interleaved(doc_ids)
+        questions = interleaved(doc_ids, args.rounds)
         for name, cache_on, order in RUNS:
             settings = make_settings(data_dir, cache_on, args.kv_gb)
             results[name] = run_once(name, settings, order, embedder, questions, args)
