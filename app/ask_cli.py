@@ -90,7 +90,7 @@ def print_sources(citations: list[dict[str, Any]], out: TextIO) -> None:
 
 def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(event name, JSON data) for each server-sent event in a stream of lines."""
-    event, data = "message", []
+    event, data = "message", list[str]()
     for line in lines:
         if not line:
             if data:

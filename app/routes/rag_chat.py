@@ -70,6 +70,10 @@ async def _prepare(state: AppState, body: ChatCompletionRequest) -> qa.PreparedA
     try:
         query = QueryIn(
             question=questions[-1],
+            collection=None,
+            document_ids=None,
+            top_k=None,
+            candidates=None,
             max_tokens=body.wanted_max_tokens(),
             temperature=body.temperature,
         )
