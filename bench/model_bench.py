@@ -72,6 +72,8 @@ def main() -> None:
         "model": name,
         "device": "cpu",
         "threads": torch.get_num_threads(),
+        # this machine's CPUs are shared; a high load average makes every figure noisy
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
         "runner_load_s": round(load_s, 3),
