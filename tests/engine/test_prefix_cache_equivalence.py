@@ -84,8 +84,9 @@ def test_mixed_batch_with_hits_and_misses_matches_cache_off(engine_on, engine_of
 
 
 def test_after_evictions_matches_cache_off(request, prompts, reference):
-    # A pool of 24 blocks holds one request at a time, so every run evicts earlier prefixes.
-    small = make_engine(request, block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2)
+    # Each request needs 8 blocks (about 60 prompt + 64 new tokens) and the pool has 12, so
+    # every run must evict blocks cached by the runs before it.
+    small = make_engine(request, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2)
     outputs = [greedy_ids(small, [p])[0][0] for p in (*prompts, prompts[0], prompts[1])]
     assert small.cache_stats()["evicted_blocks"] > 0
     assert outputs == [*reference, reference[0], reference[1]]
