@@ -1,32 +1,59 @@
-"""Prompt assembly, stable parts first: [system | tools | few-shot] [sources] [question].
+"""Prompt assembly, stable parts first: [system | tools | few-shot] [earlier turns] [sources]
+[question].
 
 A prompt's token ids are the concatenation of separately tokenized segments: the stable part
-(everything up to and including the "Sources:" header of the last user turn), one segment per
-source and the question with the template's closing delimiters. Every segment ends with a
-newline and the next one starts with a non-space character, so the concatenation equals
-tokenizing the whole text (tests hold that), and the stable part is the same ids in every
-request, ready to be pinned in the engine's prefix cache.
+(everything up to and including the "Sources:" header of the first user turn), one segment per
+source, the question with the template's closing delimiters, and for each earlier turn its
+answer and the delimiters that reopen a user turn. Every segment but an answer ends with a
+newline or a special token and the next one starts with a non-space character, so the
+concatenation equals tokenizing the whole text (tests hold that); an answer is tokenized on its
+own, as the model generated it. The stable part is the same ids in every request, ready to be
+pinned in the engine's prefix cache, and a follow-up's prompt extends the previous prompt and
+answer, so the engine's radix cache serves all of it.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from app.prompt_parts import (
+    ANSWER_MARK,
+    CONTENT_MARK,
+    NO_NEW_SOURCES,
+    NO_SOURCES,
+    SOURCES_HEADER,
+    FewShot,
+    PromptConfig,
+    Source,
+    Turn,
+    clean_answer,
+    clean_text,
+    format_question,
+    format_sources,
+    load_prompt_config,
+    source_body,
+    source_header,
+)
 from app.services.llm import PromptTooLongError
+
+__all__ = [
+    "CHUNK_ORDERS",
+    "BuiltPrompt",
+    "ChatTokenizer",
+    "ChunkOrder",
+    "FewShot",
+    "PromptBuilder",
+    "PromptConfig",
+    "Source",
+    "Turn",
+    "format_sources",
+    "load_prompt_config",
+]
 
 ChunkOrder = Literal["canonical", "score"]
 CHUNK_ORDERS: tuple[ChunkOrder, ...] = ("canonical", "score")
-
-SOURCES_HEADER = "Sources:\n"
-NO_SOURCES = "(no sources found)\n"
-# A private-use character no template or prompt file contains: marks where the last user
-# message's content goes in the rendered chat template.
-_CONTENT_MARK = "\ue000"
 
 
 class ChatTokenizer(Protocol):
@@ -39,94 +66,37 @@ class ChatTokenizer(Protocol):
     ) -> str: ...
 
 
-@dataclass(slots=True, frozen=True)
-class Source:
-    """A retrieved chunk the prompt may cite; `score` is its retrieval (or rerank) score."""
-
-    chunk_id: int
-    document_id: int
-    title: str
-    text: str
-    start: int = 0
-    end: int = 0
-    page: int | None = None
-    score: float = 0.0
-
-    @property
-    def canonical_key(self) -> tuple[int, int, int]:
-        """Document, then position inside it: the order that keeps shared chunks a shared prefix."""
-        return (self.document_id, self.start, self.chunk_id)
-
-
-@dataclass(slots=True, frozen=True)
-class FewShot:
-    """One worked example shown to the model before the real question."""
-
-    sources: tuple[Source, ...]
-    question: str
-    answer: str
-
-    def __post_init__(self) -> None:
-        if not self.question.strip() or not self.answer.strip():
-            raise ValueError("a few-shot example needs a question and an answer")
-
-
-@dataclass(slots=True)
-class PromptConfig:
-    """The stable first part: system prompt, tool descriptions and few-shot examples."""
-
-    system: str
-    tools: str = ""
-    few_shot: list[FewShot] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.system.strip():
-            raise ValueError("the system prompt must not be empty")
-        if _CONTENT_MARK in self.system + self.tools:
-            raise ValueError("prompt files must not contain U+E000")
-
-    @property
-    def system_message(self) -> str:
-        """System prompt and tool descriptions as one system turn."""
-        parts = [self.system.strip(), self.tools.strip()]
-        return "\n\n".join(p for p in parts if p)
-
-
-def load_prompt_config(system_prompt_file: Path | None = None) -> PromptConfig:
-    """The packaged prompt files (app/prompts/), with the system prompt read from
-    `system_prompt_file` instead when given."""
-    folder = resources.files("app") / "prompts"
-    if system_prompt_file is not None:
-        system = Path(system_prompt_file).read_text(encoding="utf-8")
-    else:
-        system = (folder / "system.txt").read_text(encoding="utf-8")
-    tools = (folder / "tools.txt").read_text(encoding="utf-8")
-    examples = json.loads((folder / "few_shot.json").read_text(encoding="utf-8"))
-    return PromptConfig(system, tools, [_few_shot(e) for e in examples])
-
-
-def _few_shot(raw: dict[str, Any]) -> FewShot:
-    sources = tuple(
-        Source(chunk_id=-i, document_id=0, title=s["title"], text=s["text"], page=s.get("page"))
-        for i, s in enumerate(raw["sources"], start=1)
-    )
-    return FewShot(sources, raw["question"], raw["answer"])
-
-
 @dataclass(slots=True)
 class BuiltPrompt:
-    """A prompt ready for the engine; `sources[i]` is cited as [i + 1]."""
+    """A prompt ready for the engine.
+
+    `sources` are the chunks this turn adds, cited as [first_number + i]; `reused` are retrieved
+    chunks an earlier kept turn already laid out, with their original numbers. `dropped` are the
+    new chunks that did not fit; `dropped_turns` counts the oldest turns left out to fit.
+    """
 
     token_ids: list[int]
     num_stable_tokens: int
     num_question_tokens: int
     sources: list[Source]
     dropped: list[Source]
+    first_number: int = 1
+    reused: list[tuple[int, Source]] = field(default_factory=list)
+    dropped_turns: int = 0
+
+    @property
+    def numbered(self) -> list[tuple[int, Source]]:
+        """Every source this turn may cite, as (number, source), by number."""
+        new = [(self.first_number + i, s) for i, s in enumerate(self.sources)]
+        return sorted(new + self.reused, key=lambda pair: pair[0])
 
 
 class PromptBuilder:
     """Builds prompts whose first `len(stable_ids)` tokens never change.
 
+    A conversation's prompt is [stable] [turn 1: sources, question, answer] ... [this turn:
+    new sources, question]; each earlier turn's block is exactly the ids that turn's own prompt
+    and answer had, so turn n's prompt extends turn n-1's prompt + answer token for token.
     `order="canonical"` lays sources out by (document, position); "score" keeps retrieval rank
     order (only for benchmarks: it breaks prefix sharing between questions).
     """
@@ -139,111 +109,132 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.config = config
         self.order = order
-        self._stable_text, self._closing = self._split_template()
+        self._stable_text, self._closing, self._reopen = self._split_template()
         self.stable_ids = tokenizer.encode(self._stable_text)
+        self._reopen_ids = tokenizer.encode(self._reopen)
 
     @property
     def stable_text(self) -> str:
         return self._stable_text
 
-    def build(self, question: str, ranked: list[Source], *, max_prompt_tokens: int) -> BuiltPrompt:
-        """The prompt for `question` over `ranked` (best first), at most `max_prompt_tokens` long.
+    def build(
+        self,
+        question: str,
+        ranked: list[Source],
+        *,
+        max_prompt_tokens: int,
+        history: list[Turn] | None = None,
+    ) -> BuiltPrompt:
+        """The prompt for `question` over `ranked` (best first) after `history` (oldest first), at
+        most `max_prompt_tokens` long.
 
-        Drops the lowest-ranked sources, one at a time, until it fits; raises PromptTooLongError
-        when even the prompt without sources is too long.
+        To fit, drops the oldest turns first, then the lowest-ranked new sources one at a time;
+        raises PromptTooLongError when even the question alone with no sources is too long.
         """
         question = clean_text(question)
         if not question:
             raise ValueError("the question is empty")
+        turns = list(history or [])
         question_ids = self.tokenizer.encode(format_question(question) + self._closing)
-        body_ids: dict[int, list[int]] = {}
-        kept = list(ranked)
+        cache: dict[int, list[int]] = {}
+        num_dropped_turns, num_kept_sources = 0, len(ranked)
         while True:
-            ordered = self._ordered(kept)
-            source_ids = self._source_ids(ordered, body_ids)
-            total = len(self.stable_ids) + len(source_ids) + len(question_ids)
+            kept_turns = turns[num_dropped_turns:]
+            head_ids, cited = self._history_ids(kept_turns, cache)
+            new = [s for s in ranked if s.chunk_id not in cited][:num_kept_sources]
+            ordered = self._ordered(new)
+            source_ids = self._source_ids(ordered, len(cited) + 1, cache, bool(kept_turns))
+            total = len(head_ids) + len(source_ids) + len(question_ids)
             if total <= max_prompt_tokens:
                 break
-            if not kept:
+            if num_dropped_turns < len(turns):
+                num_dropped_turns += 1
+            elif new:
+                num_kept_sources = len(new) - 1
+            else:
                 raise PromptTooLongError(
                     f"the question needs {total} prompt tokens but only {max_prompt_tokens} fit "
                     "the context window next to the answer; shorten it or lower max_tokens",
                     "question",
                 )
-            kept.pop()
+        all_new = [s for s in ranked if s.chunk_id not in cited]
         return BuiltPrompt(
-            token_ids=[*self.stable_ids, *source_ids, *question_ids],
+            token_ids=[*head_ids, *source_ids, *question_ids],
             num_stable_tokens=len(self.stable_ids),
             num_question_tokens=len(question_ids),
             sources=ordered,
-            dropped=ranked[len(kept) :],
+            dropped=all_new[len(new) :],
+            first_number=len(cited) + 1,
+            reused=[(cited[s.chunk_id], s) for s in ranked if s.chunk_id in cited],
+            dropped_turns=num_dropped_turns,
         )
 
-    def text(self, question: str, sources: list[Source]) -> str:
-        """The same prompt as plain text (for tests and debugging), sources in builder order."""
+    def text(self, question: str, sources: list[Source], history: list[Turn] | None = None) -> str:
+        """The same prompt as plain text (for tests and debugging): no turns dropped, no sources
+        dropped, `sources` already free of chunks the history laid out."""
+        parts = [self._stable_text]
+        n = 1
+        for i, turn in enumerate(history or []):
+            ordered = self._ordered(list(turn.sources))
+            parts += [format_sources(ordered, n, bool(i)), format_question(turn.question)]
+            parts += [self._closing, clean_answer(turn.answer), self._reopen]
+            n += len(ordered)
         ordered = self._ordered(sources)
-        return (
-            self._stable_text + format_sources(ordered) + format_question(question) + self._closing
-        )
+        parts += [format_sources(ordered, n, bool(history)), format_question(question)]
+        return "".join([*parts, self._closing])
+
+    def _history_ids(
+        self, turns: list[Turn], cache: dict[int, list[int]]
+    ) -> tuple[list[int], dict[int, int]]:
+        """Stable part and earlier turns as ids, and the number each laid-out chunk is cited by."""
+        ids = list(self.stable_ids)
+        cited: dict[int, int] = {}
+        for i, turn in enumerate(turns):
+            ordered = self._ordered(list(turn.sources))
+            ids += self._source_ids(ordered, len(cited) + 1, cache, bool(i))
+            ids += self.tokenizer.encode(format_question(turn.question) + self._closing)
+            ids += self.tokenizer.encode(clean_answer(turn.answer)) + self._reopen_ids
+            for source in ordered:
+                cited[source.chunk_id] = len(cited) + 1
+        return ids, cited
 
     def _ordered(self, sources: list[Source]) -> list[Source]:
         if self.order == "score":
             return list(sources)
         return sorted(sources, key=lambda s: s.canonical_key)
 
-    def _source_ids(self, ordered: list[Source], body_ids: dict[int, list[int]]) -> list[int]:
+    def _source_ids(
+        self, ordered: list[Source], first: int, body_ids: dict[int, list[int]], is_follow_up: bool
+    ) -> list[int]:
         if not ordered:
-            return self.tokenizer.encode(NO_SOURCES)
+            return self.tokenizer.encode(NO_NEW_SOURCES if is_follow_up else NO_SOURCES)
         ids: list[int] = []
-        for n, source in enumerate(ordered, start=1):
+        for n, source in enumerate(ordered, start=first):
             ids += self.tokenizer.encode(source_header(n, source))
             if source.chunk_id not in body_ids:
                 body_ids[source.chunk_id] = self.tokenizer.encode(source_body(source))
             ids += body_ids[source.chunk_id]
         return ids
 
-    def _split_template(self) -> tuple[str, str]:
+    def _split_template(self) -> tuple[str, str, str]:
+        """(stable text, what closes a user turn and opens the answer, what closes an answer and
+        opens the next user turn up to the sources), cut out of the chat template itself."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.config.system_message}]
         for example in self.config.few_shot:
             sources = format_sources(list(example.sources))
             content = SOURCES_HEADER + sources + format_question(example.question)
             messages.append({"role": "user", "content": content})
             messages.append({"role": "assistant", "content": example.answer.strip()})
-        messages.append({"role": "user", "content": _CONTENT_MARK})
+        messages += [
+            {"role": "user", "content": CONTENT_MARK},
+            {"role": "assistant", "content": ANSWER_MARK},
+            {"role": "user", "content": CONTENT_MARK},
+        ]
         rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        if rendered.count(_CONTENT_MARK) != 1:
-            raise ValueError("the chat template does not embed the user message verbatim")
-        before, after = rendered.split(_CONTENT_MARK)
-        return before + SOURCES_HEADER, after
-
-
-_SPECIAL_LIKE = re.compile(r"<\|")
-_SPACES = re.compile(r"\s+")
-
-
-def clean_text(text: str) -> str:
-    """Text safe to embed: no special-token look-alikes ("<|"), no outer whitespace."""
-    return _SPECIAL_LIKE.sub("< |", text.replace(_CONTENT_MARK, "")).strip()
-
-
-def source_header(n: int, source: Source) -> str:
-    """ "[n] Title, page p" on one line."""
-    title = _SPACES.sub(" ", clean_text(source.title)) or "untitled"
-    page = "" if source.page is None else f", page {source.page}"
-    return f"[{n}] {title}{page}\n"
-
-
-def source_body(source: Source) -> str:
-    """The chunk text; a blank chunk becomes "(empty)" so every segment starts non-blank."""
-    return (clean_text(source.text) or "(empty)") + "\n"
-
-
-def format_sources(ordered: list[Source]) -> str:
-    """Every source as header and body, numbered in the given order."""
-    if not ordered:
-        return NO_SOURCES
-    return "".join(source_header(n, s) + source_body(s) for n, s in enumerate(ordered, start=1))
-
-
-def format_question(question: str) -> str:
-    return f"Question: {clean_text(question)}"
+        if rendered.count(CONTENT_MARK) != 2 or rendered.count(ANSWER_MARK) != 1:
+            raise ValueError("the chat template does not embed the messages verbatim")
+        before, first_close, rest = re.split(f"[{CONTENT_MARK}{ANSWER_MARK}]", rendered, maxsplit=2)
+        reopen, closing = rest.split(CONTENT_MARK)
+        if first_close != closing:
+            raise ValueError("the chat template closes user turns in two different ways")
+        return before + SOURCES_HEADER, closing, reopen + SOURCES_HEADER

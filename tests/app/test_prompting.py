@@ -8,7 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.prompting import PromptBuilder, PromptConfig, Source, load_prompt_config
+from app.prompt_parts import source_body
+from app.prompting import (
+    PromptBuilder,
+    PromptConfig,
+    Source,
+    Turn,
+    format_sources,
+    load_prompt_config,
+)
 from app.services.llm import PromptTooLongError
 from app.settings import packaged_llm_path
 from engine.tokenizer import Tokenizer
@@ -27,7 +35,7 @@ def builder(tokenizer: Tokenizer) -> PromptBuilder:
     return PromptBuilder(tokenizer, load_prompt_config())
 
 
-def make_sources(rng: random.Random, n: int) -> list[Source]:
+def make_sources(rng: random.Random, n: int, first_id: int = 1000) -> list[Source]:
     words = WORDS.split()
     sources = []
     for i in range(n):
@@ -35,7 +43,7 @@ def make_sources(rng: random.Random, n: int) -> list[Source]:
         text = text.replace(" storm ", " storm.\n\n ")  # blank lines inside chunks
         sources.append(
             Source(
-                chunk_id=1000 + i,
+                chunk_id=first_id + i,
                 document_id=rng.randint(1, 4),
                 title=rng.choice(["Guide", "Notes: part 2", "ñandú"]),
                 text=text,
@@ -161,3 +169,122 @@ def test_invalid_config_and_order(tokenizer: Tokenizer):
         PromptConfig(system="  ")
     with pytest.raises(ValueError, match="order"):
         PromptBuilder(tokenizer, load_prompt_config(), order="random")  # type: ignore[arg-type]
+
+
+# -- conversations ------------------------------------------------------------------------------
+
+ANSWERS = [
+    "The lamp is lit at dusk [1].",
+    " Leading space, trailing newline\n",
+    "Ships used the beam [2][3]. ",
+    "",
+    "Ünïcödé 中文 🙂 x=1; (a) [b]\n\n- list item",
+]
+
+
+def converse(
+    builder: PromptBuilder, rng: random.Random, num_turns: int, max_prompt_tokens: int = 100_000
+):
+    """Built prompts of a conversation whose follow-ups retrieve overlapping chunks."""
+    pool = make_sources(rng, 14)
+    history: list[Turn] = []
+    built_turns = []
+    for i in range(num_turns):
+        ranked = rng.sample(pool, 4)
+        built = builder.build(
+            f"Question {i}?", ranked, max_prompt_tokens=max_prompt_tokens, history=history
+        )
+        built_turns.append(built)
+        history = [
+            *history,
+            Turn(f"Question {i}?", ANSWERS[i % len(ANSWERS)], tuple(built.sources)),
+        ]
+    return history, built_turns
+
+
+@pytest.mark.parametrize("order", ["canonical", "score"])
+def test_follow_up_prompt_extends_the_previous_prompt_and_answer(tokenizer: Tokenizer, order):
+    builder = PromptBuilder(tokenizer, load_prompt_config(), order=order)
+    history, built = converse(builder, random.Random(21), 6)
+    for n in range(1, len(built)):
+        answer_ids = tokenizer.encode(history[n - 1].answer)
+        previous = built[n - 1].token_ids + answer_ids
+        assert built[n].token_ids[: len(previous)] == previous
+        assert built[n].token_ids[: len(builder.stable_ids)] == builder.stable_ids
+
+
+def test_conversation_is_the_chat_template_s_own_multi_turn_chat(
+    builder: PromptBuilder, tokenizer: Tokenizer
+):
+    history, built = converse(builder, random.Random(5), 5)
+    last = built[-1]
+    config = load_prompt_config()
+    # reference: the template renders the same messages, sources numbered across the turns
+    messages = [{"role": "system", "content": config.system_message}]
+    for example in config.few_shot:
+        sources = format_sources(list(example.sources))
+        messages.append(
+            {"role": "user", "content": f"Sources:\n{sources}Question: {example.question}"}
+        )
+        messages.append({"role": "assistant", "content": example.answer.strip()})
+    n = 1
+    for i, turn in enumerate([*history[:-1], Turn("Question 4?", "", tuple(last.sources))]):
+        sources = format_sources(list(turn.sources), n, is_follow_up=i > 0)
+        messages.append(
+            {"role": "user", "content": f"Sources:\n{sources}Question: {turn.question}"}
+        )
+        messages.append({"role": "assistant", "content": turn.answer})
+        n += len(turn.sources)
+    expected = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
+    assert builder.text("Question 4?", last.sources, history[:-1]) == expected
+    # answers that start with a non-space character tokenize like the whole text
+    plain = [Turn(t.question, "Answer: " + t.answer.strip(), t.sources) for t in history[:-1]]
+    rebuilt = builder.build(
+        "Question 4?", [*last.sources, *last.dropped], max_prompt_tokens=100_000, history=plain
+    )
+    assert rebuilt.token_ids == tokenizer.encode(builder.text("Question 4?", last.sources, plain))
+
+
+def test_chunks_cited_before_are_not_repeated_and_keep_their_numbers(builder: PromptBuilder):
+    sources = make_sources(random.Random(9), 6)
+    first = builder.build("q1?", sources[:3], max_prompt_tokens=8000)
+    history = [Turn("q1?", "a1", tuple(first.sources))]
+    second = builder.build("q2?", sources[1:5], max_prompt_tokens=8000, history=history)
+    numbers = {s.chunk_id: n for n, s in enumerate(first.sources, start=1)}
+    assert {s.chunk_id for s in second.sources} == {s.chunk_id for s in sources[3:5]}
+    assert second.first_number == 4
+    assert [(n, s.chunk_id) for n, s in second.reused] == [
+        (numbers[s.chunk_id], s.chunk_id) for s in sources[1:3]
+    ]
+    assert [n for n, _ in second.numbered] == sorted(n for n, _ in second.numbered)
+    text = builder.text("q2?", second.sources, history)
+    for source in sources[:5]:
+        assert text.count(source_body(source)) == 1
+
+
+def test_overflow_drops_the_oldest_turns_first_then_new_sources(
+    builder: PromptBuilder, tokenizer: Tokenizer
+):
+    history, _ = converse(builder, random.Random(13), 4)
+    question, ranked = "Question 4?", make_sources(random.Random(2), 4, first_id=5000)
+    full = builder.build(question, ranked, max_prompt_tokens=100_000, history=history)
+    without_first = builder.build(question, ranked, max_prompt_tokens=100_000, history=history[1:])
+    assert len(without_first.token_ids) < len(full.token_ids)
+    budget = len(without_first.token_ids)
+    fitted = builder.build(question, ranked, max_prompt_tokens=budget, history=history)
+    assert fitted.dropped_turns == 1 and fitted.dropped == []
+    # the kept turns are laid out (and numbered) as if the conversation started at turn 2
+    assert fitted.token_ids == without_first.token_ids
+    assert fitted.first_number == without_first.first_number
+    # with no room for any turn, the lowest-ranked new sources go next
+    alone = builder.build(question, ranked[:2], max_prompt_tokens=100_000)
+    squeezed = builder.build(
+        question, ranked, max_prompt_tokens=len(alone.token_ids), history=history
+    )
+    assert squeezed.dropped_turns == len(history)
+    assert squeezed.dropped == ranked[2:] and squeezed.token_ids == alone.token_ids
+
+
+def test_earlier_turn_needs_a_question(builder: PromptBuilder):
+    with pytest.raises(ValueError, match="question is empty"):
+        Turn("  ", "answer")

@@ -1,0 +1,145 @@
+"""The pieces a prompt is made of: sources, earlier turns, the prompt files, and the text
+formats of each segment (headers, bodies, the question)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SOURCES_HEADER = "Sources:\n"
+NO_SOURCES = "(no sources found)\n"
+NO_NEW_SOURCES = "(no new sources; the ones above still apply)\n"
+# Private-use characters no template or prompt file contains: they mark where a user message's
+# content and an earlier answer go in the rendered chat template.
+CONTENT_MARK = "\ue000"
+ANSWER_MARK = "\ue001"
+
+
+@dataclass(slots=True, frozen=True)
+class Source:
+    """A retrieved chunk the prompt may cite; `score` is its retrieval (or rerank) score."""
+
+    chunk_id: int
+    document_id: int
+    title: str
+    text: str
+    start: int = 0
+    end: int = 0
+    page: int | None = None
+    score: float = 0.0
+
+    @property
+    def canonical_key(self) -> tuple[int, int, int]:
+        """Document, then position inside it: the order that keeps shared chunks a shared prefix."""
+        return (self.document_id, self.start, self.chunk_id)
+
+
+@dataclass(slots=True, frozen=True)
+class FewShot:
+    """One worked example shown to the model before the real question."""
+
+    sources: tuple[Source, ...]
+    question: str
+    answer: str
+
+    def __post_init__(self) -> None:
+        if not self.question.strip() or not self.answer.strip():
+            raise ValueError("a few-shot example needs a question and an answer")
+
+
+@dataclass(slots=True)
+class PromptConfig:
+    """The stable first part: system prompt, tool descriptions and few-shot examples."""
+
+    system: str
+    tools: str = ""
+    few_shot: list[FewShot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.system.strip():
+            raise ValueError("the system prompt must not be empty")
+        if CONTENT_MARK in self.system + self.tools or ANSWER_MARK in self.system + self.tools:
+            raise ValueError("prompt files must not contain U+E000 or U+E001")
+
+    @property
+    def system_message(self) -> str:
+        """System prompt and tool descriptions as one system turn."""
+        parts = [self.system.strip(), self.tools.strip()]
+        return "\n\n".join(p for p in parts if p)
+
+
+def load_prompt_config(system_prompt_file: Path | None = None) -> PromptConfig:
+    """The packaged prompt files (app/prompts/), with the system prompt read from
+    `system_prompt_file` instead when given."""
+    folder = resources.files("app") / "prompts"
+    if system_prompt_file is not None:
+        system = Path(system_prompt_file).read_text(encoding="utf-8")
+    else:
+        system = (folder / "system.txt").read_text(encoding="utf-8")
+    tools = (folder / "tools.txt").read_text(encoding="utf-8")
+    examples = json.loads((folder / "few_shot.json").read_text(encoding="utf-8"))
+    return PromptConfig(system, tools, [_few_shot(e) for e in examples])
+
+
+def _few_shot(raw: dict[str, Any]) -> FewShot:
+    sources = tuple(
+        Source(chunk_id=-i, document_id=0, title=s["title"], text=s["text"], page=s.get("page"))
+        for i, s in enumerate(raw["sources"], start=1)
+    )
+    return FewShot(sources, raw["question"], raw["answer"])
+
+
+@dataclass(slots=True, frozen=True)
+class Turn:
+    """An earlier question and answer of the conversation, with the sources its turn laid out
+    (in prompt order; `sources` only holds the chunks that turn added, not ones cited before)."""
+
+    question: str
+    answer: str
+    sources: tuple[Source, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not clean_text(self.question):
+            raise ValueError("an earlier turn's question is empty")
+
+
+_SPECIAL_LIKE = re.compile(r"<\|")
+_SPACES = re.compile(r"\s+")
+
+
+def clean_text(text: str) -> str:
+    """Text safe to embed: no special-token look-alikes ("<|"), no outer whitespace."""
+    return _SPECIAL_LIKE.sub("< |", text.replace(CONTENT_MARK, "")).strip()
+
+
+def source_header(n: int, source: Source) -> str:
+    """ "[n] Title, page p" on one line."""
+    title = _SPACES.sub(" ", clean_text(source.title)) or "untitled"
+    page = "" if source.page is None else f", page {source.page}"
+    return f"[{n}] {title}{page}\n"
+
+
+def source_body(source: Source) -> str:
+    """The chunk text; a blank chunk becomes "(empty)" so every segment starts non-blank."""
+    return (clean_text(source.text) or "(empty)") + "\n"
+
+
+def format_sources(ordered: list[Source], first: int = 1, is_follow_up: bool = False) -> str:
+    """Every source as header and body, numbered in the given order from `first`."""
+    if not ordered:
+        return NO_NEW_SOURCES if is_follow_up else NO_SOURCES
+    return "".join(source_header(n, s) + source_body(s) for n, s in enumerate(ordered, start=first))
+
+
+def clean_answer(answer: str) -> str:
+    """An earlier answer as the prompt repeats it: kept as generated (leading and trailing spaces
+    are tokens the model produced), only special-token look-alikes defused."""
+    return _SPECIAL_LIKE.sub("< |", answer.replace(CONTENT_MARK, "").replace(ANSWER_MARK, ""))
+
+
+def format_question(question: str) -> str:
+    return f"Question: {clean_text(question)}"
