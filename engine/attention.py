@@ -10,8 +10,10 @@ possibly after a cached prefix). Metadata is built once per step and shared by e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -106,12 +108,32 @@ def _block_table(tables: list[Sequence[int]], device: torch.device | str) -> tor
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
+# (x [T, H], weight [H], eps, residual [T, H] | None) -> (normed, x + residual), x's dtype
+RMSNormFn = Callable[
+    [torch.Tensor, torch.Tensor, float, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+]
+# (q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_cache [P, D]) -> None; rotates in place
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The non-attention ops a kernel backend brings for the model: RMSNorm fused with the
+    residual add, and RoPE applied to q and k in place."""
+
+    rms_norm: RMSNormFn
+    apply_rope_: RopeFn
+
+
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the cache, then attends.
 
     q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]; rows are ordered decodes first, as in
-    :class:`AttentionMetadata`.
+    :class:`AttentionMetadata`. ``fused_ops`` is None when the model should run its own torch
+    norm and RoPE, else the kernels it should run instead.
     """
+
+    fused_ops: FusedOps | None
 
     def forward(
         self,
@@ -126,32 +148,63 @@ class AttentionBackend(Protocol):
 
 def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """``auto`` picks Triton on CUDA and the torch path on CPU; ``reference`` runs the kernels'
-    plain-torch references (slow, for checking)."""
+    plain-torch references (slow, for checking).
+
+    ``triton`` on a CPU runs the kernels through Triton's interpreter, which needs
+    ``TRITON_INTERPRET=1`` set before kernels/ is first imported; otherwise ValueError.
+    """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    is_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        name = "triton" if is_cuda else "torch"
     if name == "torch":
         return TorchAttention()
-    if name == "triton" and torch.device(device).type != "cuda":
-        raise ValueError("the triton attention backend needs a CUDA device")
-    return KernelAttention(use_triton=name == "triton")
+    if name == "triton" and not is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "the triton attention backend needs a CUDA device, or TRITON_INTERPRET=1 "
+            "(set before kernels/ is imported) to run its kernels on CPU"
+        )
+    backend = KernelAttention(use_triton=name == "triton")
+    if name == "triton" and not is_cuda:
+        _check_interpreted(backend.kernel_modules)
+    return backend
+
+
+def _check_interpreted(modules: Sequence[ModuleType]) -> None:
+    import triton
+
+    # triton.jit picks device code or the interpreter when a module is imported, not per call.
+    compiled = [
+        m.__name__
+        for m in modules
+        if any(isinstance(v, triton.JITFunction) for v in vars(m).values())
+    ]
+    if compiled:
+        raise ValueError(
+            f"{compiled} were imported before TRITON_INTERPRET=1 was set, so their kernels "
+            "need a GPU; set the variable before importing kernels/ (or reload them)"
+        )
 
 
 class KernelAttention:
-    """Attention through kernels/: the Triton kernels, or their plain-torch references."""
+    """Attention through kernels/: the Triton kernels, or their plain-torch references; its
+    ``fused_ops`` are the matching RMSNorm and RoPE from kernels/."""
 
     def __init__(self, *, use_triton: bool) -> None:
-        from kernels import extend_attention, kv_write, paged_decode
+        from kernels import extend_attention, kv_write, paged_decode, rms_norm, rope
 
+        self.kernel_modules = (extend_attention, kv_write, paged_decode, rms_norm, rope)
         if use_triton:
             self._write_kv = kv_write.write_kv
             self._decode = paged_decode.paged_decode_attention
             self._extend = extend_attention.extend_attention
+            self.fused_ops = FusedOps(rms_norm.rms_norm, rope.apply_rope_)
         else:
             self._write_kv = kv_write.write_kv_reference
             self._decode = paged_decode.paged_decode_attention_reference
             self._extend = extend_attention.extend_attention_reference
+            self.fused_ops = FusedOps(rms_norm.rms_norm_reference, rope.apply_rope_reference_)
 
     def forward(
         self,
@@ -213,6 +266,8 @@ class TorchAttention:
 
     A prefill with an empty prefix attends over its own new K/V directly, without a gather.
     """
+
+    fused_ops: FusedOps | None = None
 
     def forward(
         self,

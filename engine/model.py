@@ -3,19 +3,23 @@
 RMSNorm -> rotary embedding -> attention -> SwiGLU MLP -> block -> model. Weights arrive under
 Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) and are fused on load (q/k/v into
 one matrix, gate/up into another) so each block runs four matmuls. Attention reads and writes the
-paged KV cache through an :class:`engine.attention.AttentionBackend`.
+paged KV cache through an :class:`engine.attention.AttentionBackend`. A kernel backend also brings
+fused RMSNorm and RoPE kernels (its ``fused_ops``); the model picks those or its own torch ops once,
+when it is built.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, FusedOps, RMSNormFn, RopeFn
 from engine.model_config import ModelConfig, RopeScaling
 
 
@@ -28,24 +32,34 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [num_blocks, bs, Hkv, D] each
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm; with a residual it adds first and returns the sum as well."""
+def rms_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root-mean-square norm in torch; with a residual it adds first. Returns (normed, sum)."""
+    # x, residual: [T, H]
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), x
 
-    def __init__(self, size: int, eps: float) -> None:
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; with a residual it adds first and returns the sum as well.
+
+    ``fn`` does the arithmetic: :func:`rms_norm_torch` or a fused kernel with its signature.
+    """
+
+    def __init__(self, size: int, eps: float, fn: RMSNormFn = rms_norm_torch) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.fn = fn
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x, residual: [T, H]
-        if residual is not None:
-            x = x + residual
-        residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), residual
+        return self.fn(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -87,6 +101,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+# Rotates (q [T, Hq, D], k [T, Hkv, D]) of one step; built once per step, shared by all layers.
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TorchRope:
+    """RoPE in torch: gathers the step's cos/sin rows once, then every layer rotates with them."""
+
+    def __init__(self, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
+        half = cos_sin_cache.shape[-1] // 2
+        cos_sin = cos_sin_cache[positions].unsqueeze(1)  # [T, 1, D]
+        self.cos, self.sin = cos_sin[..., :half], cos_sin[..., half:]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+
+
+class KernelRope:
+    """RoPE through an in-place kernel, which reads cos_sin_cache[positions] itself."""
+
+    def __init__(self, apply_rope_: RopeFn, cos_sin_cache: torch.Tensor, positions: torch.Tensor):
+        self.apply_rope_ = apply_rope_
+        self.cos_sin_cache = cos_sin_cache
+        self.positions = positions
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.apply_rope_(q, k, self.positions, self.cos_sin_cache)
+        return q, k
+
+
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v bias (Qwen2) and a paged KV cache."""
 
@@ -104,14 +147,14 @@ class Attention(nn.Module):
         has_o_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_bias = _param(config.hidden_size) if has_o_bias else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        # q: [T, Hq, D], k: [T, Hkv, D]; views into qkv, which a kernel rope rotates in place
+        q, k = rope(
+            q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        )
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, Hq, D]
@@ -135,36 +178,49 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; the residual stream is carried beside the hidden state."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, norm_fn: RMSNormFn) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
         self.attn = Attention(config, layer_idx)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
         self.mlp = MLP(config)
 
     def forward(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm(x, residual)
-        h = self.attn(h, cos, sin, ctx)
+        h = self.attn(h, rope, ctx)
         h, residual = self.post_attn_norm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    """Token ids and positions in, final hidden states out; :meth:`logits` applies the head."""
+    """Token ids and positions in, final hidden states out; :meth:`logits` applies the head.
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    With ``fused_ops`` (from a kernel attention backend) every norm and RoPE runs those kernels;
+    without, the torch ops here.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int | None = None,
+        fused_ops: FusedOps | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        norm_fn = rms_norm_torch if fused_ops is None else fused_ops.rms_norm
+        # (cos_sin_cache, positions) -> the step's Rope
+        self.make_rope: Callable[[torch.Tensor, torch.Tensor], Rope] = (
+            TorchRope if fused_ops is None else partial(KernelRope, fused_ops.apply_rope_)
+        )
         self.embed_weight = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(config, i, norm_fn) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
         self.lm_head_weight = (
             None if config.tie_word_embeddings else _param(*self.embed_weight.shape)
         )
@@ -177,13 +233,11 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden], before the final norm
-        half = self.config.head_dim // 2
-        cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [T, 1, D]
-        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        rope = self.make_rope(self.cos_sin_cache, positions)
         x = F.embedding(input_ids, self.embed_weight)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
+            x, residual = layer(x, residual, rope, ctx)
         return x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,10 @@ table); it writes their K/V into the cache and returns logits for the items that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.attention import SeqSpan, build_attention_metadata, make_backend
 from engine.model import ForwardContext, LlamaModel
@@ -70,6 +70,7 @@ class ModelRunner:
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks`` or a byte
     budget ``kv_cache_bytes`` (default: 512 MiB on CPU, ``gpu_memory_fraction`` of free memory on
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
+    :meth:`from_config` builds one with random weights instead (benchmarks).
     """
 
     def __init__(
@@ -86,20 +87,87 @@ class ModelRunner:
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
     ) -> None:
+        self.model_path = str(model_path)
+        self.cache_dir = cache_dir
+        self._tokenizer: Tokenizer | None = None
+        config, tensors = load_checkpoint(model_path, cache_dir)
+        self._setup(
+            config,
+            tensors,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            max_model_len=max_model_len,
+            gpu_memory_fraction=gpu_memory_fraction,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        *,
+        seed: int = 0,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        backend: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_fraction: float = 0.85,
+    ) -> ModelRunner:
+        """A runner of the shape ``config`` with random weights (norms one, the rest
+        N(0, 0.02) from ``seed``), made on the device directly; nothing is read from disk."""
+        runner = cls.__new__(cls)
+        runner.model_path = f"<random weights, seed {seed}>"
+        runner.cache_dir = None
+        runner._tokenizer = tokenizer
+        runner._setup(
+            config,
+            None,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            max_model_len=max_model_len,
+            gpu_memory_fraction=gpu_memory_fraction,
+            seed=seed,
+        )
+        return runner
+
+    def _setup(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor] | None,
+        *,
+        block_size: int,
+        num_blocks: int | None,
+        kv_cache_bytes: int | None,
+        device: str | torch.device,
+        dtype: str | torch.dtype | None,
+        backend: str,
+        max_model_len: int | None,
+        gpu_memory_fraction: float,
+        seed: int = 0,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 < gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
-        self.model_path = str(model_path)
-        self.cache_dir = cache_dir
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
-        config, tensors = load_checkpoint(model_path, cache_dir)
         self.model_config: ModelConfig = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
-        self.model = self._build_model(config, tensors)
+        # The backend comes first: a kernel backend also decides the model's norm and RoPE ops.
         self.backend = make_backend(backend, self.device)
+        self.model = self._build_model(config, tensors, seed)
         self.scale = config.head_dim**-0.5
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_bytes_per_token = (
@@ -115,10 +183,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv(config, num_blocks)
 
-    def _build_model(self, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaModel:
+    def _build_model(
+        self, config: ModelConfig, tensors: dict[str, torch.Tensor] | None, seed: int
+    ) -> LlamaModel:
         with torch.device("meta"):
-            model = LlamaModel(config, max_positions=self.max_model_len)
-        model.load_hf_weights(tensors)
+            model = LlamaModel(config, self.max_model_len, self.backend.fused_ops)
+        if tensors is None:
+            _random_init_(model, self.device, self.dtype, seed)
+        else:
+            model.load_hf_weights(tensors)
         return model.to(device=self.device, dtype=self.dtype).eval()
 
     def _default_kv_budget(self, fraction: float) -> int:
@@ -140,10 +213,12 @@ class ModelRunner:
             budget_bytes, block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token
         )
 
-    @cached_property
+    @property
     def tokenizer(self) -> Tokenizer:
         """The checkpoint's tokenizer (loaded on first use, cached under ``cache_dir``)."""
-        return Tokenizer.from_model_path(self.model_path, cache_dir=self.cache_dir)
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_model_path(self.model_path, cache_dir=self.cache_dir)
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -211,3 +286,16 @@ class ModelRunner:
             raise ValueError(f"block ids must lie in [0, {self.num_blocks})")
         if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+
+
+def _random_init_(model: LlamaModel, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+    # Made in the target dtype on the target device: an 8B model never exists in fp32 or on CPU.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            value = torch.empty(param.shape, dtype=dtype, device=device)
+            if name == "weight" and param.dim() == 1:  # RMSNorm scales
+                value.fill_(1.0)
+            else:
+                value.normal_(0.0, 0.02, generator=gen)
+            setattr(module, name, nn.Parameter(value, requires_grad=False))
