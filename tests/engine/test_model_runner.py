@@ -62,7 +62,9 @@ def test_bad_step_items_raise(runner, item, match):
         runner.run([item])
 
 
-def test_step_item_and_runner_arguments_are_validated(runner):
+def test_step_item_and_runner_arguments_are_validated(runner, monkeypatch):
+    # tests/kernels sets TRITON_INTERPRET=1 process-wide, which lets triton run on CPU
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError):
         StepItem([], 0, [0])
     with pytest.raises(ValueError):
