@@ -1,47 +1,41 @@
-"""Lexical (BM25) scoring and reciprocal-rank fusion with the dense order."""
+"""Reciprocal-rank fusion of several rankings of chunk ids (dense and lexical)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-import numpy as np
-
-_TOKEN = re.compile(r"\w+")
 RRF_K = 60  # the usual RRF constant: damps the head so neither list dominates
 
 
-def bm25_tokens(text: str) -> list[str]:
-    """Lowercased word tokens, the unit BM25 counts."""
-    return _TOKEN.findall(text.lower())
+def rrf_scores(
+    rankings: Sequence[Sequence[int]], weights: Sequence[float], k: float = RRF_K
+) -> dict[int, float]:
+    """Each id's fused score: sum over rankings holding it of weight / (k + rank), rank 1-based.
 
-
-def bm25_scores(query: str, texts: Sequence[str]) -> np.ndarray:
-    """BM25 (Okapi) score of each text for `query`, with statistics over `texts` alone."""
-    from rank_bm25 import BM25Okapi
-
-    if len(texts) == 0:
-        return np.zeros(0, dtype=np.float32)
-    corpus = [bm25_tokens(t) or [""] for t in texts]
-    return np.asarray(BM25Okapi(corpus).get_scores(bm25_tokens(query)), dtype=np.float32)
-
-
-def rrf(*rankings: np.ndarray, k: int = RRF_K) -> np.ndarray:
-    """Reciprocal-rank fusion: sum over rankings of 1 / (k + rank), ranks 0-based per item."""
+    An id absent from a ranking gets nothing from it. Rankings must not repeat an id.
+    """
     if not rankings:
         raise ValueError("rrf needs at least one ranking")
-    return np.sum([1.0 / (k + 1 + np.asarray(r, dtype=np.float64)) for r in rankings], axis=0)
+    if len(weights) != len(rankings):
+        raise ValueError(f"{len(weights)} weights for {len(rankings)} rankings")
+    if k < 0 or any(w < 0 for w in weights):
+        raise ValueError(f"k and weights must be >= 0, got k={k}, weights={list(weights)}")
+    scores: dict[int, float] = {}
+    for ranking, weight in zip(rankings, weights, strict=True):
+        if len(set(ranking)) != len(ranking):
+            raise ValueError("a ranking repeats an id")
+        for rank, item in enumerate(ranking, start=1):
+            scores[item] = scores.get(item, 0.0) + weight / (k + rank)
+    return scores
 
 
-def ranks_of(scores: np.ndarray) -> np.ndarray:
-    """The 0-based rank of each item when sorted by descending score (ties keep input order)."""
-    order = np.argsort(-np.asarray(scores), kind="stable")
-    ranks = np.empty(len(order), dtype=np.int64)
-    ranks[order] = np.arange(len(order))
-    return ranks
+def rrf_fuse(
+    rankings: Sequence[Sequence[int]], weights: Sequence[float], k: float = RRF_K
+) -> list[int]:
+    """The union of the rankings' ids by descending fused score (see rrf_scores).
 
-
-def bm25_fuse(query: str, texts_in_dense_order: Sequence[str]) -> np.ndarray:
-    """RRF of each text's dense rank (its position) and its BM25 rank among these texts."""
-    dense_ranks = np.arange(len(texts_in_dense_order))
-    return rrf(dense_ranks, ranks_of(bm25_scores(query, texts_in_dense_order)))
+    Ties keep the order of first appearance, scanning the rankings in the order given.
+    """
+    scores = rrf_scores(rankings, weights, k)
+    position = {item: i for i, item in enumerate(scores)}  # dicts keep first-insertion order
+    return sorted(scores, key=lambda item: (-scores[item], position[item]))

@@ -1,4 +1,4 @@
-"""Retrieve: embed the query, FAISS top candidates, cross-encoder rerank, keep top_k."""
+"""Retrieve: embed the query, FAISS (and BM25) top candidates, fuse, rerank, keep top_k."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from retrieval.embedder import Embedder
-from retrieval.fusion import bm25_fuse
+from retrieval.fusion import RRF_K, rrf_scores
+from retrieval.lexical import LexicalIndex
 from retrieval.reranker import Reranker
 from retrieval.vector_index import VectorIndex
 
@@ -34,9 +35,11 @@ class RetrievalResult:
 class Retriever:
     """The ask-path retrieval: dense search, optional BM25 fusion, optional cross-encoder rerank.
 
-    With `hybrid=True` the dense candidates are re-ordered by reciprocal-rank fusion of their
-    vector rank and their BM25 rank among the candidates (see bench/retrieval_eval.py for when
-    it helps). Without a usable reranker, hits keep the first-stage order.
+    With a `lexical` index (hybrid mode), the `candidates` best chunks by vector and the
+    `candidates` best by BM25, both over the whole allowed corpus, are merged by weighted
+    reciprocal-rank fusion (BM25's weight `lexical_weight`, the vector's 1); the fused score is
+    each hit's `score`. bench/retrieval_eval.py measures the modes. Without a usable reranker,
+    hits keep the first-stage order.
     """
 
     def __init__(
@@ -45,14 +48,25 @@ class Retriever:
         index: VectorIndex,
         reranker: Reranker | None,
         *,
-        hybrid: bool = False,
+        lexical: LexicalIndex | None = None,
+        lexical_weight: float = 1.0,
+        rrf_k: float = RRF_K,
     ) -> None:
         if embedder.dim != index.dim:
             raise ValueError(f"embedder dim {embedder.dim} != index dim {index.dim}")
+        if not lexical_weight >= 0 or not rrf_k >= 0:
+            raise ValueError(f"lexical_weight and rrf_k must be >= 0: {lexical_weight}, {rrf_k}")
         self.embedder = embedder
         self.index = index
         self.reranker = reranker
-        self.hybrid = hybrid
+        self.lexical = lexical
+        self.lexical_weight = lexical_weight
+        self.rrf_k = rrf_k
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when BM25 candidates are fused with the vector candidates."""
+        return self.lexical is not None
 
     @property
     def is_reranking(self) -> bool:
@@ -70,8 +84,8 @@ class Retriever:
     ) -> RetrievalResult:
         """The top_k chunks for `query` among `allowed_ids` (None = all), best first.
 
-        `fetch_texts` maps chunk ids to their texts; it is called once, only when the texts are
-        needed (rerank or hybrid). Ids it doesn't return are dropped (e.g. deleted meanwhile).
+        `fetch_texts` maps chunk ids to their texts; it is called once, only when a reranker
+        needs them. Ids it doesn't return are dropped (e.g. deleted meanwhile).
         """
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -90,25 +104,39 @@ class Retriever:
             Hit(int(i), float(s), None)
             for i, s in zip(ids[0][found], scores[0][found], strict=True)
         ]
+        if self.lexical is not None:
+            hits = self._fuse(query, hits, self.lexical, candidates, allowed_ids)
         timings["search_ms"] = _ms_since(t0)
         # rerank
         t0 = time.perf_counter()
-        if hits and (self.hybrid or self.is_reranking):
-            hits = self._second_stage(query, hits, fetch_texts)
+        if hits and self.is_reranking:
+            hits = self._rerank(query, hits, fetch_texts)
         timings["rerank_ms"] = _ms_since(t0)
         return RetrievalResult(hits[:top_k], timings)
 
-    def _second_stage(
+    def _fuse(
+        self,
+        query: str,
+        dense_hits: list[Hit],
+        lexical: LexicalIndex,
+        candidates: int,
+        allowed_ids: np.ndarray | None,
+    ) -> list[Hit]:
+        _, lexical_ids = lexical.search(query, candidates, allowed_ids)
+        dense_ids = [h.chunk_id for h in dense_hits]
+        fused = rrf_scores(
+            [dense_ids, lexical_ids.tolist()], [1.0, self.lexical_weight], self.rrf_k
+        )
+        # ties keep dense order first, then BM25 order (dicts keep insertion order)
+        order = sorted(enumerate(fused), key=lambda item: (-fused[item[1]], item[0]))
+        return [Hit(chunk_id, fused[chunk_id], None) for _, chunk_id in order[:candidates]]
+
+    def _rerank(
         self, query: str, hits: list[Hit], fetch_texts: Callable[[list[int]], dict[int, str]]
     ) -> list[Hit]:
         texts_by_id = fetch_texts([h.chunk_id for h in hits])
         hits = [h for h in hits if h.chunk_id in texts_by_id]
         texts = [texts_by_id[h.chunk_id] for h in hits]
-        if self.hybrid and hits:
-            fused = bm25_fuse(query, texts)
-            order = np.argsort(-fused, kind="stable")
-            hits = [Hit(hits[i].chunk_id, float(fused[i]), None) for i in order]
-            texts = [texts[i] for i in order]
         rerank_scores = self.reranker.score(query, texts) if self.reranker is not None else None
         if rerank_scores is None:
             return hits

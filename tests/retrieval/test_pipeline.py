@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from retrieval.embedder import Embedder
+from retrieval.lexical import LexicalIndex
 from retrieval.pipeline import Retriever
 from retrieval.reranker import Reranker
 from retrieval.vector_index import VectorIndex
@@ -27,6 +28,13 @@ def index(embedder: Embedder, corpus: dict[int, str]) -> VectorIndex:
     ids = np.array(list(corpus), dtype=np.int64)
     index.add(ids, embedder.encode(list(corpus.values())))
     return index
+
+
+@pytest.fixture(scope="module")
+def lexical(corpus: dict[int, str]) -> LexicalIndex:
+    lexical = LexicalIndex()
+    lexical.add(np.array(list(corpus), dtype=np.int64), list(corpus.values()))
+    return lexical
 
 
 def fetcher(corpus: dict[int, str]):
@@ -79,10 +87,12 @@ def test_allowed_ids_are_respected(
     index: VectorIndex,
     corpus: dict[int, str],
     tiny_cross_encoder: Path,
+    lexical: LexicalIndex,
     hybrid: bool,
 ) -> None:
     allowed = np.array(list(corpus)[::5], dtype=np.int64)
-    retriever = Retriever(embedder, index, Reranker(str(tiny_cross_encoder)), hybrid=hybrid)
+    reranker = Reranker(str(tiny_cross_encoder))
+    retriever = Retriever(embedder, index, reranker, lexical=lexical if hybrid else None)
     result = retriever.retrieve(
         "where is the lemon",
         top_k=3,
@@ -92,6 +102,36 @@ def test_allowed_ids_are_respected(
     )
     assert len(result.hits) == 3
     assert set(h.chunk_id for h in result.hits) <= set(allowed.tolist())
+
+
+@pytest.mark.parametrize("weight,rrf_k", [(1.0, 60.0), (3.0, 5.0), (0.0, 60.0)])
+def test_hybrid_fuses_dense_and_bm25_over_the_allowed_corpus(
+    embedder: Embedder,
+    index: VectorIndex,
+    corpus: dict[int, str],
+    lexical: LexicalIndex,
+    weight: float,
+    rrf_k: float,
+) -> None:
+    allowed = np.array(list(corpus)[1::2], dtype=np.int64)
+    retriever = Retriever(
+        embedder, index, None, lexical=lexical, lexical_weight=weight, rrf_k=rrf_k
+    )
+    query = "the lemon is on the table"
+    result = retriever.retrieve(
+        query, top_k=6, candidates=8, allowed_ids=allowed, fetch_texts=fetcher(corpus)
+    )
+    # reference: rank the allowed chunks by each list and sum weight / (k + rank) by hand
+    _, dense_ids = index.search(embedder.encode_query(query), 8, allowed)
+    _, bm25_ids = lexical.search(query, 8, allowed)
+    fused: dict[int, float] = {}
+    for ids, w in ((dense_ids[0].tolist(), 1.0), (bm25_ids.tolist(), weight)):
+        for rank, chunk_id in enumerate(ids):
+            fused[chunk_id] = fused.get(chunk_id, 0.0) + w / (rrf_k + rank + 1)
+    got = {h.chunk_id: h.score for h in result.hits}
+    assert got == pytest.approx({i: fused[i] for i in got})
+    assert sorted(fused.values(), reverse=True)[:6] == pytest.approx(list(got.values()))
+    assert set(got) <= set(allowed.tolist())
 
 
 def test_texts_missing_from_fetch_are_dropped(
