@@ -1,4 +1,10 @@
-"""HTML to plain text that keeps block structure as paragraphs and h1-h6 as sections."""
+"""HTML to plain text that keeps block structure as paragraphs and h1-h6 as sections.
+
+An anchored definition term (`<dt id=...>`, as API references write each function, class or
+method signature) is a section too, one level below the headings and below any definition it is
+nested in, so that a chunk never mixes two API entries and each entry's chunks carry its
+signature in their heading path.
+"""
 
 from __future__ import annotations
 
@@ -22,17 +28,23 @@ _HEADINGS = {f"h{n}": n for n in range(1, 7)}
 _SPACE = re.compile(r"\s+")
 
 
-Heading = tuple[int, int, str]  # (char offset where the heading begins, level 1-6, title)
+# (char offset where it begins, level: 1-6 for h1-h6, 7+ for definitions, title)
+Heading = tuple[int, int, str]
 
 
-def html_to_text(data: bytes | str) -> tuple[str, list[Heading], str | None]:
-    """The visible text of an HTML page, its headings, and its title (<title>, else first h1)."""
+def html_to_text(
+    data: bytes | str, *, definitions: bool = True
+) -> tuple[str, list[Heading], str | None]:
+    """The visible text of an HTML page, its headings, and its title (<title>, else first h1).
+
+    With `definitions` (the default), anchored definition terms are headings too (see above).
+    """
     soup = BeautifulSoup(data, "html.parser")
     title_tag = soup.find("title")
     title = _clean(title_tag.get_text(" ")) if title_tag is not None else None
     for tag in soup.find_all(_is_dropped):
         tag.decompose()
-    writer = _TextWriter()
+    writer = _TextWriter(definitions)
     writer.walk(soup)
     if not title:
         first_h1 = next((h for h in writer.sections if h[1] == 1), None)
@@ -47,6 +59,21 @@ def _is_dropped(tag: Tag) -> bool:
     return "headerlink" in (tag.get("class") or [])
 
 
+def _is_definition_term(tag: Tag) -> bool:
+    """An anchored <dt> that starts an entry (not an overload listed right after another dt)."""
+    if tag.name != "dt" or not tag.get("id"):
+        return False
+    previous = tag.find_previous_sibling(True)
+    return previous is None or previous.name != "dt"
+
+
+def _section_level(tag: Tag) -> int:
+    if tag.name in _HEADINGS:
+        return _HEADINGS[tag.name]
+    # below h6, one level deeper per enclosing definition list (a class's methods sit in its dd)
+    return 6 + sum(1 for _ in tag.find_parents("dl"))
+
+
 def _clean(text: str) -> str:
     return _SPACE.sub(" ", text).strip()
 
@@ -54,7 +81,8 @@ def _clean(text: str) -> str:
 class _TextWriter:
     """Appends text with collapsed whitespace and emits breaks lazily, so none pile up."""
 
-    def __init__(self) -> None:
+    def __init__(self, definitions: bool) -> None:
+        self.definitions = definitions
         self.parts: list[str] = []
         self.length = 0
         self.sections: list[Heading] = []
@@ -79,7 +107,7 @@ class _TextWriter:
             if entering:
                 self._open(node)
                 stack.append((node, False))
-                if node.name == "pre" or node.name in _HEADINGS:
+                if node.name == "pre" or self._is_heading(node):
                     continue  # written whole by _open
                 stack.extend((child, True) for child in reversed(node.contents))
             else:
@@ -87,12 +115,14 @@ class _TextWriter:
 
     def _open(self, tag: Tag) -> None:
         name = tag.name
-        if name in _HEADINGS:
-            title = _clean(tag.get_text(" "))
+        if self._is_heading(tag):
+            # NOTE: a signature's inline parts carry their own spacing; a separator would turn
+            # "f(x, y=0)" into "f ( x , y = 0 )"
+            title = _clean(tag.get_text(" " if name in _HEADINGS else ""))
             if title:
                 self._break("\n\n")
                 self._flush_break()
-                self.sections.append((self.length, _HEADINGS[name], title))
+                self.sections.append((self.length, _section_level(tag), title))
                 self._emit(title)
                 self._break("\n\n")
         elif name == "pre":
@@ -108,6 +138,9 @@ class _TextWriter:
             self._break("\n")
         elif name in ("td", "th"):
             self._space = True
+
+    def _is_heading(self, tag: Tag) -> bool:
+        return tag.name in _HEADINGS or (self.definitions and _is_definition_term(tag))
 
     def _close(self, tag: Tag) -> None:
         if tag.name in _BLOCK_TAGS:

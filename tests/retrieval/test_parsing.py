@@ -143,3 +143,31 @@ def test_undecodable_text_raises_clearly() -> None:
 def test_unknown_media_type() -> None:
     with pytest.raises(UnsupportedMediaTypeError):
         parse_document(b"hello", "image/png")
+
+
+API_HTML = (
+    "<h1>Built-in Functions</h1><p>Intro.</p>"
+    '<dl class="py function"><dt class="sig" id="enumerate"><span>enumerate</span>'
+    "(<em>iterable</em>, <em>start</em>=<span>0</span>)</dt>"
+    "<dd><p>Return an enumerate object.</p></dd></dl>"
+    '<dl class="py class"><dt id="Path"><em>class</em> <span>Path</span>(<em>*parts</em>)</dt>'
+    "<dd><p>A path.</p>"
+    '<dl class="py method"><dt id="Path.glob">glob(<em>pattern</em>)</dt>'
+    "<dd><p>Glob it.</p></dd></dl></dd></dl>"
+    "<dl><dt>plain term</dt><dd>no anchor, no section</dd></dl>"
+)
+
+
+def test_anchored_definitions_are_sections_below_the_headings() -> None:
+    doc = parse_document(API_HTML.encode(), "text/html")
+    found = [(s.level, s.title) for s in doc.sections]
+    assert found == [
+        (1, "Built-in Functions"),
+        (7, "enumerate(iterable, start=0)"),
+        (7, "class Path(*parts)"),
+        (8, "glob(pattern)"),
+    ]
+    # each section's title is where its text begins, so chunks of the entry start with it
+    for s in doc.sections:
+        assert doc.text[s.start :].startswith(s.title)
+    assert "plain term" in doc.text
