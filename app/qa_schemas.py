@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.schemas import COLLECTION_PATTERN
 
+MAX_HISTORY_TURNS = 32
+# Questions and answers of a whole conversation together: far more than any context window
+# holds, so it only stops abuse, never a real conversation.
+MAX_CONVERSATION_CHARS = 200_000
+
+
+class TurnIn(BaseModel):
+    """An earlier turn as the client got it back: the question, the answer text exactly as
+    returned, and the `chunk_ids` that turn's response listed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(min_length=1)
+    answer: str
+    chunk_ids: list[int] = Field(default_factory=list, max_length=100)
+
+    @field_validator("question")
+    @classmethod
+    def _question_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("an earlier question is empty (only whitespace)")
+        return v
+
 
 class QueryIn(BaseModel):
-    """A question over the ready documents, optionally limited to a collection or documents.
+    """A question over the ready documents, optionally limited to a collection or documents,
+    optionally following earlier turns of the same conversation (`history`, oldest first).
 
     The question length and max_tokens are also checked against the settings
     (max_question_chars, max_tokens_cap) by the service, since those are configurable.
@@ -24,6 +48,7 @@ class QueryIn(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = False
+    history: list[TurnIn] = Field(default_factory=list, max_length=MAX_HISTORY_TURNS)
 
     @field_validator("question")
     @classmethod
@@ -31,6 +56,19 @@ class QueryIn(BaseModel):
         if not v.strip():
             raise ValueError("question is empty (only whitespace)")
         return v
+
+    @model_validator(mode="after")
+    def _conversation_limits(self) -> QueryIn:
+        num_chars = len(self.question) + sum(len(t.question) + len(t.answer) for t in self.history)
+        if num_chars > MAX_CONVERSATION_CHARS:
+            raise ValueError(
+                f"the conversation has {num_chars} characters of questions and answers; at most "
+                f"{MAX_CONVERSATION_CHARS} are allowed (start a new conversation)"
+            )
+        chunk_ids = [i for t in self.history for i in t.chunk_ids]
+        if len(chunk_ids) != len(set(chunk_ids)):
+            raise ValueError("a chunk id appears in more than one earlier turn")
+        return self
 
 
 class CitationOut(BaseModel):
@@ -54,11 +92,18 @@ class UsageOut(BaseModel):
 
 
 class QueryOut(BaseModel):
-    """The answer, its sources, token usage, stage timings and how many sources did not fit."""
+    """The answer, its sources, token usage, stage timings and how many sources did not fit.
+
+    `citations` are every source this answer may cite (sources of earlier turns keep their
+    numbers); `chunk_ids` are the chunks this turn added to the conversation, which the client
+    sends back in `history`. `dropped_turns` counts the oldest turns left out to fit.
+    """
 
     answer: str
     citations: list[CitationOut]
+    chunk_ids: list[int]
     usage: UsageOut
     timings: dict[str, float]
     dropped_chunks: int
+    dropped_turns: int
     finish_reason: str

@@ -1,8 +1,10 @@
 """POST /v1/query: a grounded answer with citations, as JSON or as server-sent events.
 
-Stream events, in order: `citations` (once), `delta` (per decoded text piece), then `done`
-with the answer, usage, timings and finish_reason, or `error` if generation fails after the
-stream started. A client that disconnects aborts the generation and frees its KV blocks.
+Stream events, in order: `citations` (once, with the `chunk_ids` this turn added and the
+`dropped_chunks`/`dropped_turns` counts), `delta` (per decoded text piece), then `done` with the
+answer, usage, timings and finish_reason, or `error` if generation fails after the stream
+started. A follow-up question sends the earlier turns back in `history`. A client that
+disconnects aborts the generation and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ async def query(body: QueryIn, request: Request, state: StateDep) -> Any:
     return QueryOut(
         answer=result.text,
         citations=qa.citations(prepared),
+        chunk_ids=qa.chunk_ids(prepared),
         usage=qa.usage(result),
         timings=qa.timings(prepared, result),
         dropped_chunks=len(prepared.prompt.dropped),
+        dropped_turns=prepared.prompt.dropped_turns,
         finish_reason=result.finish_reason,
     )
 
@@ -57,7 +61,15 @@ async def query_events(
 ) -> AsyncIterator[str]:
     """The SSE body: citations, deltas, then done (or error)."""
     cited = [c.model_dump() for c in qa.citations(prepared)]
-    yield sse("citations", {"citations": cited, "dropped_chunks": len(prepared.prompt.dropped)})
+    yield sse(
+        "citations",
+        {
+            "citations": cited,
+            "chunk_ids": qa.chunk_ids(prepared),
+            "dropped_chunks": len(prepared.prompt.dropped),
+            "dropped_turns": prepared.prompt.dropped_turns,
+        },
+    )
     try:
         async for item in stream:
             if isinstance(item, GenerationDelta):

@@ -3,12 +3,22 @@
 The last user message is the question. The answer's message content ends with a short
 "Sources:" block, so any OpenAI client shows where it came from; the structured sources are a
 top-level "citations" list in the full response and in the final streamed chunk.
+
+Multi-turn: each earlier user message with the assistant message that follows it is a turn of
+the conversation's history (the newest MAX_HISTORY_TURNS of them; system messages are ignored,
+the service has its own). The assistant's "Sources:" block is cut off again, and each earlier
+question is retrieved again to recover the chunks its turn added: the index is unchanged between
+turns, so the same question gets the same chunks, and the prompt repeats the earlier turns
+exactly as they were (the prefix cache serves them). A document ingested or deleted between two
+turns, or sources dropped to fit the context window, make the repeat differ: still a correct
+prompt, only a shorter cache hit.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from itertools import pairwise
 from typing import Any
 
 from fastapi import Request
@@ -16,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from app.openai_schemas import ChatCompletionRequest, error_body
-from app.qa_schemas import CitationOut, QueryIn
+from app.qa_schemas import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
 from app.routes import openai
 from app.services import qa
 from app.services.errors import ServiceError
@@ -24,6 +34,7 @@ from app.state import AppState
 from engine.outputs import GenerationDelta, GenerationResult
 
 RAG_MODEL = "prefixrag-rag"
+SOURCES_MARK = "\n\nSources:\n"
 
 
 def register_rag_model() -> None:
@@ -60,28 +71,52 @@ def sources_block(cited: list[CitationOut]) -> str:
     if not cited:
         return ""
     lines = [f"[{c.n}] {c.title}" + ("" if c.page is None else f", page {c.page}") for c in cited]
-    return "\n\nSources:\n" + "\n".join(lines)
+    return SOURCES_MARK + "\n".join(lines)
 
 
 async def _prepare(state: AppState, body: ChatCompletionRequest) -> qa.PreparedAnswer:
-    questions = [m.text() for m in body.messages if m.role == "user" and m.text().strip()]
-    if not questions:
-        raise openai.OpenAIError("the conversation has no user message", param="messages")
+    question, pairs = conversation(body)
     try:
+        questions = [q for q, _ in pairs]
+        chunk_ids = await qa.recover_chunk_ids(state, questions)
+        history = [
+            TurnIn(question=q, answer=a, chunk_ids=ids)
+            for (q, a), ids in zip(pairs, chunk_ids, strict=True)
+        ]
         query = QueryIn(
-            question=questions[-1],
+            question=question,
             collection=None,
             document_ids=None,
             top_k=None,
             candidates=None,
             max_tokens=body.wanted_max_tokens(),
             temperature=body.temperature,
+            history=history,
         )
         return await qa.prepare_answer(state, query)
     except ValidationError as exc:
         raise openai.OpenAIError(str(exc), 422, "messages") from exc
     except ServiceError as exc:
         raise openai.OpenAIError(str(exc), exc.status_code) from exc
+
+
+def conversation(body: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
+    """The last user message, and the (question, answer) turns before it, oldest first: each
+    user message answered by the next assistant message, its Sources block cut off."""
+    messages = [m for m in body.messages if m.role in ("user", "assistant")]
+    last = max(
+        (i for i, m in enumerate(messages) if m.role == "user" and m.text().strip()), default=-1
+    )
+    if last < 0:
+        raise openai.OpenAIError("the conversation has no user message", param="messages")
+    pairs: list[tuple[str, str]] = []
+    for before, after in pairwise(messages[:last]):
+        if before.role == "user" and after.role == "assistant" and before.text().strip():
+            answer = after.text()
+            if SOURCES_MARK in answer:
+                answer = answer[: answer.rindex(SOURCES_MARK)]
+            pairs.append((before.text(), answer))
+    return messages[last].text(), pairs[-MAX_HISTORY_TURNS:]
 
 
 async def _chat_events(

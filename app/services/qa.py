@@ -3,6 +3,10 @@
 `prepare_answer` does everything up to the engine call and raises ServiceError on bad input;
 the caller then streams `answer_stream(...)` and shapes the result with the helpers below, so
 /v1/query and the `prefixrag-rag` chat model share one pipeline.
+
+Conversations are stateless on the server: the client sends the earlier turns back (question,
+answer text, the chunk ids each turn added), the chunk texts are read again from the DB, and the
+prompt repeats every earlier turn exactly, so the engine's prefix cache serves all of it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from app.prompting import BuiltPrompt, PromptBuilder, Source
-from app.qa_schemas import CitationOut, QueryIn, UsageOut
+from app.models import Chunk, Collection, Document
+from app.prompting import BuiltPrompt, PromptBuilder, Source, Turn
+from app.qa_schemas import CitationOut, QueryIn, TurnIn, UsageOut
 from app.schemas import SearchHitOut, SearchIn
-from app.services.errors import InvalidInputError, NotReadyError
+from app.services.errors import InvalidInputError, NotReadyError, ServiceError
 from app.services.llm import LLMService
 from app.services.search import search
 from engine.outputs import GenerationDelta, GenerationResult
@@ -26,6 +32,12 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from app.state import AppState
+
+
+class HistoryChunkNotFoundError(ServiceError):
+    """An earlier turn cites a chunk that no longer exists (its document was deleted)."""
+
+    status_code = 404
 
 
 @dataclass(slots=True)
@@ -43,11 +55,13 @@ async def prepare_answer(state: AppState, query: QueryIn) -> PreparedAnswer:
     sources if it would not fit next to max_tokens). Raises ServiceError subclasses."""
     started = time.perf_counter()
     settings = state.settings
-    if len(query.question) > settings.max_question_chars:
-        raise InvalidInputError(
-            f"question has {len(query.question)} characters; at most "
-            f"{settings.max_question_chars} are allowed"
-        )
+    for i, question in enumerate([*(t.question for t in query.history), query.question]):
+        if len(question) > settings.max_question_chars:
+            where = "question" if i == len(query.history) else f"history[{i}].question"
+            raise InvalidInputError(
+                f"{where} has {len(question)} characters; at most "
+                f"{settings.max_question_chars} are allowed"
+            )
     max_tokens = query.max_tokens or settings.default_max_tokens
     if max_tokens > settings.max_tokens_cap:
         raise InvalidInputError(
@@ -55,12 +69,94 @@ async def prepare_answer(state: AppState, query: QueryIn) -> PreparedAnswer:
         )
     llm, builder = _require_pipeline(state)
     params = SamplingParams(max_tokens=max_tokens, temperature=query.temperature)
+    history = await run_in_threadpool(history_turns, state, query)
     hits, timings = await run_in_threadpool(_retrieve, state, query)
     if state.metrics is not None:
         state.metrics.observe_retrieval(timings)
     room = llm.max_model_len - max_tokens
-    prompt = builder.build(query.question, [to_source(h) for h in hits], max_prompt_tokens=room)
+    ranked = [to_source(h) for h in hits]
+    prompt = builder.build(query.question, ranked, max_prompt_tokens=room, history=history)
     return PreparedAnswer(prompt, params, timings, started)
+
+
+def history_turns(state: AppState, query: QueryIn) -> list[Turn]:
+    """The earlier turns with their chunks read again from the DB, in the order each turn
+    listed them. Raises HistoryChunkNotFoundError (404) for a chunk that is gone and
+    InvalidInputError (422) for one outside the query's collection or documents."""
+    if not query.history:
+        return []
+    if state.sessions is None:
+        raise NotReadyError("the database is not ready")
+    wanted = [i for turn in query.history for i in turn.chunk_ids]
+    with state.sessions() as session:
+        rows = session.execute(
+            select(Chunk, Document.title, Document.status, Collection.name)
+            .join(Document, Chunk.document_id == Document.id)
+            .join(Collection, Document.collection_id == Collection.id)
+            .where(Chunk.id.in_(wanted))
+        ).all()
+    found = {chunk.id: (chunk, title, status, name) for chunk, title, status, name in rows}
+    return [_turn(i, turn, found, query) for i, turn in enumerate(query.history)]
+
+
+def _turn(
+    i: int, turn: TurnIn, found: dict[int, tuple[Chunk, str, str, str]], query: QueryIn
+) -> Turn:
+    sources = []
+    for chunk_id in turn.chunk_ids:
+        if chunk_id not in found or found[chunk_id][2] != "ready":
+            raise HistoryChunkNotFoundError(
+                f"history[{i}] cites chunk {chunk_id}, which no longer exists (its document was "
+                "deleted); start a new conversation"
+            )
+        chunk, title, _, collection = found[chunk_id]
+        if query.collection is not None and collection != query.collection:
+            raise InvalidInputError(
+                f"history[{i}] cites chunk {chunk_id} of collection {collection!r}, not of "
+                f"{query.collection!r}"
+            )
+        if query.document_ids is not None and chunk.document_id not in query.document_ids:
+            raise InvalidInputError(
+                f"history[{i}] cites chunk {chunk_id} of document {chunk.document_id}, which "
+                "document_ids leaves out"
+            )
+        sources.append(_chunk_source(chunk, title))
+    return Turn(turn.question, turn.answer, tuple(sources))
+
+
+def _chunk_source(chunk: Chunk, title: str) -> Source:
+    return Source(
+        chunk_id=chunk.id,
+        document_id=chunk.document_id,
+        title=title,
+        text=chunk.text,
+        start=chunk.char_start,
+        end=chunk.char_end,
+        page=chunk.page,
+    )
+
+
+async def recover_chunk_ids(state: AppState, questions: list[str]) -> list[list[int]]:
+    """The chunk ids each earlier question's turn added, found by retrieving it again (the same
+    question over an unchanged index retrieves the same chunks), minus the chunks of the turns
+    before it. Assumes no chunk of those turns was dropped to fit the context window."""
+    seen: set[int] = set()
+    chunk_ids: list[list[int]] = []
+    for question in questions:
+        query = QueryIn(
+            question=question,
+            collection=None,
+            document_ids=None,
+            top_k=None,
+            candidates=None,
+            max_tokens=None,
+            temperature=0.0,
+        )
+        hits, _ = await run_in_threadpool(_retrieve, state, query)
+        new = [h.chunk_id for h in hits if h.chunk_id not in seen]
+        chunk_ids.append(new)
+        seen.update(new)
+    return chunk_ids
 
 
 def answer_stream(
@@ -72,7 +168,8 @@ def answer_stream(
 
 
 def citations(prepared: PreparedAnswer) -> list[CitationOut]:
-    """The sources in prompt order, numbered as the prompt numbers them."""
+    """Every source the answer may cite, by number: this turn's new sources and the retrieved
+    ones an earlier turn laid out (under their original numbers)."""
     return [
         CitationOut(
             n=n,
@@ -85,8 +182,14 @@ def citations(prepared: PreparedAnswer) -> list[CitationOut]:
             page=s.page,
             score=s.score,
         )
-        for n, s in enumerate(prepared.prompt.sources, start=1)
+        for n, s in prepared.prompt.numbered
     ]
+
+
+def chunk_ids(prepared: PreparedAnswer) -> list[int]:
+    """The chunks this turn added to the conversation, in prompt order (the client sends them
+    back with the turn in `history`)."""
+    return [s.chunk_id for s in prepared.prompt.sources]
 
 
 def usage(result: GenerationResult) -> UsageOut:

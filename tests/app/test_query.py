@@ -60,7 +60,8 @@ def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):
             chunk.char_end,
         )
         assert c["document_id"] == chunk.document_id
-    assert isinstance(out["answer"], str) and out["dropped_chunks"] == 0
+    assert isinstance(out["answer"], str) and out["dropped_chunks"] == out["dropped_turns"] == 0
+    assert out["chunk_ids"] == [c["chunk_id"] for c in cited]
     assert out["usage"]["completion_tokens"] <= 8
     assert set(out["timings"]) == {
         "embed_ms", "search_ms", "rerank_ms", "ttft_ms", "tpot_ms", "total_ms"
@@ -91,7 +92,12 @@ def test_stream_events_in_order_and_deltas_make_the_answer(qa):
     names = [name for name, _ in events]
     assert names[0] == "citations" and names[-1] == "done"
     assert set(names[1:-1]) <= {"delta"}
-    assert events[0][1] == {"citations": plain["citations"], "dropped_chunks": 0}
+    assert events[0][1] == {
+        "citations": plain["citations"],
+        "chunk_ids": plain["chunk_ids"],
+        "dropped_chunks": 0,
+        "dropped_turns": 0,
+    }
     done = events[-1][1]
     assert "".join(data["text"] for name, data in events if name == "delta") == done["answer"]
     # greedy decoding: the stream says what the plain response says
@@ -160,3 +166,107 @@ def test_no_request_is_left_in_the_engine_after_answers(qa):
     assert parse_sse(streamed.text)[-1][0] == "done"
     stats = app_state(client).llm.engine.stats()  # type: ignore[union-attr]
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+# -- conversations ------------------------------------------------------------------------------
+
+
+def turn(question: str, out: dict[str, Any]) -> dict[str, Any]:
+    return {"question": question, "answer": out["answer"], "chunk_ids": out["chunk_ids"]}
+
+
+def test_follow_up_reuses_the_previous_prompt_and_answer_from_the_cache(qa):
+    client, _ = qa
+    block_size = app_state(client).settings.block_size
+    questions = [
+        "Why did ships need the lighthouse beam?",
+        "What did the keeper write in the logbook?",
+        "How do tomatoes grow well?",
+    ]
+    history: list[dict[str, Any]] = []
+    previous = None
+    for question in questions:
+        out = ask(client, question=question, top_k=3, max_tokens=6, history=history)
+        assert out["dropped_turns"] == 0
+        cited_before = {i for t in history for i in t["chunk_ids"]}
+        assert not cited_before & set(out["chunk_ids"])  # nothing laid out twice
+        numbers = [c["n"] for c in out["citations"]]
+        assert numbers == sorted(numbers)
+        new = [c for c in out["citations"] if c["chunk_id"] in out["chunk_ids"]]
+        assert [c["n"] for c in new] == list(
+            range(len(cited_before) + 1, len(cited_before) + len(new) + 1)
+        )
+        if previous is not None:
+            # everything the engine computed for the last turn (its prompt and all but the
+            # last generated token), in whole blocks
+            computed = previous["prompt_tokens"] + previous["completion_tokens"] - 1
+            assert out["usage"]["cached_tokens"] >= computed // block_size * block_size
+            assert out["usage"]["prompt_tokens"] > computed
+        previous = out["usage"]
+        history.append(turn(question, out))
+
+
+def test_history_chunks_are_read_again_from_the_db(qa):
+    client, ids = qa
+    first = ask(client, question="What grounds aircraft?", document_ids=[ids["volcano.txt"]])
+    history = [turn("What grounds aircraft?", first)]
+    second = ask(
+        client,
+        question="And the magma?",
+        document_ids=[ids["volcano.txt"]],
+        top_k=10,
+        history=history,
+    )
+    texts = {c["chunk_id"]: c["text"] for c in second["citations"]}
+    for chunk_id, (chunk, _) in db_chunks(client, first["chunk_ids"]).items():
+        assert texts[chunk_id] == chunk.text  # the earlier chunks keep their numbers and texts
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "message"),
+    [
+        (
+            {"history": [{"question": "q?", "answer": "a", "chunk_ids": [987654]}]},
+            404,
+            "no longer exists",
+        ),
+        ({"collection": "empty-collection"}, 422, "collection 'default'"),
+        ({"history": [{"question": " ", "answer": "a"}]}, 422, "earlier question is empty"),
+        ({"history": [{"question": "x" * 301, "answer": "a"}]}, 422, "history[0].question"),
+        ({"history": [{"question": "q?", "answer": "a"}] * 33}, 422, "history"),
+        ({"history": [{"question": "q?", "answer": "a" * 200_000}]}, 422, "new conversation"),
+        (
+            {"history": [{"question": "q?", "answer": "a", "chunk_ids": [1]}] * 2},
+            422,
+            "more than one",
+        ),
+        ({"history": [{"question": "q?", "answer": "a", "extra": 1}]}, 422, "extra"),
+    ],
+)
+def test_bad_history_is_rejected_clearly(qa, change, status, message):
+    client, _ = qa
+    sessions = app_state(client).sessions
+    assert sessions is not None
+    with sessions() as session:
+        some_chunk = [session.scalars(select(Chunk.id).limit(1)).one()]
+    body = {
+        "question": QUESTION,
+        "max_tokens": 2,
+        "history": [turn("q?", {"answer": "a", "chunk_ids": some_chunk})],
+        **change,
+    }
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == status, response.text
+    assert message in response.text
+
+
+def test_history_outside_the_chosen_documents_is_rejected(qa):
+    client, ids = qa
+    garden = ask(client, document_ids=[ids["garden.md"]], top_k=1, max_tokens=1)
+    body = {
+        "question": QUESTION,
+        "document_ids": [ids["volcano.txt"]],
+        "history": [turn("q?", garden)],
+    }
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == 422 and "document_ids leaves out" in response.text
