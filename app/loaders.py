@@ -11,6 +11,9 @@ from app.services.errors import NotReadyError
 from app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
+    from retrieval.lexical import LexicalIndex
+    from retrieval.pipeline import Retriever
+    from retrieval.reranker import Reranker
     from retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -47,11 +50,12 @@ def load_embedder(state: AppState) -> str | None:
 
 
 def load_index(state: AppState) -> str | None:
-    """Open the index, fail interrupted ingests, reconcile with the DB, start the ingest service."""
-    from app.services.index_sync import fail_interrupted, reconcile_index
+    """Open the index, fail interrupted ingests, reconcile with the DB, build BM25 (hybrid mode),
+    start the ingest service."""
+    from app.services.index_sync import fail_interrupted, rebuild_lexical_index, reconcile_index
     from app.services.ingest import IngestService
     from retrieval.chunking import Chunker
-    from retrieval.pipeline import Retriever
+    from retrieval.lexical import LexicalIndex
 
     state.require("db", "embedder")
     if state.sessions is None or state.embedder is None:
@@ -60,6 +64,10 @@ def load_index(state: AppState) -> str | None:
     fail_interrupted(state.sessions)
     reconcile_index(state.sessions, index, state.embedder)
     settings = state.settings
+    lexical = None
+    if settings.retrieval_mode == "hybrid":
+        lexical = LexicalIndex()
+        rebuild_lexical_index(state.sessions, lexical)
     chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
     state.index = index
     state.ingest = IngestService(
@@ -70,10 +78,29 @@ def load_index(state: AppState) -> str | None:
         max_upload_bytes=settings.max_upload_bytes,
         num_workers=settings.ingest_workers,
         queue_size=settings.ingest_queue_size,
+        lexical=lexical,
     )
     # First-stage order until the reranker loader swaps in a reranking retriever.
-    state.retriever = Retriever(state.embedder, index, None)
+    state.retriever = make_retriever(state, index, None, lexical)
     return None
+
+
+def make_retriever(
+    state: AppState, index: VectorIndex, reranker: Reranker | None, lexical: LexicalIndex | None
+) -> Retriever:
+    """The retriever the settings ask for: dense, or dense + BM25 fusion when `lexical` is set."""
+    from retrieval.pipeline import Retriever
+
+    if state.embedder is None:
+        raise NotReadyError("the embedder must load before the retriever")
+    return Retriever(
+        state.embedder,
+        index,
+        reranker,
+        lexical=lexical,
+        lexical_weight=state.settings.hybrid_bm25_weight,
+        rrf_k=state.settings.hybrid_rrf_k,
+    )
 
 
 def open_index(state: AppState) -> VectorIndex:
@@ -111,7 +138,6 @@ def open_index(state: AppState) -> VectorIndex:
 
 def load_reranker(state: AppState) -> str | None:
     """Load the cross-encoder; when it cannot load, say so loudly and keep first-stage order."""
-    from retrieval.pipeline import Retriever
     from retrieval.reranker import Reranker
 
     name = state.settings.rerank_model
@@ -123,5 +149,6 @@ def load_reranker(state: AppState) -> str | None:
         logger.warning("RERANKER %s; search results keep first-stage (vector) order", status)
         reranker = None
     if state.embedder is not None and state.index is not None:
-        state.retriever = Retriever(state.embedder, state.index, reranker)
+        lexical = state.retriever.lexical if state.retriever is not None else None
+        state.retriever = make_retriever(state, state.index, reranker, lexical)
     return status

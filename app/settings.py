@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     chunk_tokens: int = Field(200, ge=16, le=4096)
     chunk_overlap: int = Field(32, ge=0)
     max_upload_bytes: int = Field(50 * 1024 * 1024, ge=1)
+    # hybrid: BM25 over all chunks fused with the vector search (bench/retrieval_eval.py)
+    retrieval_mode: Literal["dense", "hybrid"] = "hybrid"
+    hybrid_bm25_weight: float = Field(1.0, ge=0.0, le=100.0)
+    hybrid_rrf_k: float = Field(60.0, ge=0.0, le=1000.0)
     index_kind: Literal["flat", "ivf", "hnsw"] = "flat"
     index_nlist: int = Field(1024, ge=1)
     index_nprobe: int = Field(32, ge=1)

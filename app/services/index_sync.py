@@ -1,4 +1,5 @@
-"""Keep the FAISS index equal to the ready chunks: check it at start, rebuild it on demand."""
+"""Keep the chunk indexes equal to the ready chunks: check FAISS at start and rebuild it on
+demand; build the BM25 index from the database at start."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from app.models import Chunk, Document
 
 if TYPE_CHECKING:
     from retrieval.embedder import Embedder
+    from retrieval.lexical import LexicalIndex
     from retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,40 @@ def rebuild_index(
     index.save()
     logger.info("rebuilt the vector index: %d vectors", num_vectors)
     return num_vectors
+
+
+def rebuild_lexical_index(
+    sessions: sessionmaker[Session], lexical: LexicalIndex, *, batch_size: int = 2048
+) -> int:
+    """Empty `lexical` and index every ready chunk (heading and text); returns the chunk count.
+
+    NOTE: BM25 is rebuilt at each start rather than persisted: tokenizing is fast next to
+    embedding, and a rebuilt index can never disagree with the database.
+    """
+    from retrieval.lexical import searchable_text
+
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    lexical.reset()
+    num_chunks = 0
+    last_id = -1
+    with sessions() as session:
+        while True:
+            rows = session.execute(
+                select(Chunk.id, Chunk.text, Chunk.heading)
+                .join(Document)
+                .where(Document.status == "ready", Chunk.id > last_id)
+                .order_by(Chunk.id)
+                .limit(batch_size)
+            ).all()
+            if not rows:
+                break
+            ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+            lexical.add(ids, [searchable_text(r[1], r[2]) for r in rows])
+            num_chunks += len(rows)
+            last_id = int(ids[-1])
+    logger.info("built the BM25 index: %d chunks", num_chunks)
+    return num_chunks
 
 
 def fail_interrupted(sessions: sessionmaker[Session]) -> int:

@@ -31,6 +31,7 @@ from app.services.errors import (
     ServiceError,
     UnsupportedTypeError,
 )
+from retrieval.lexical import searchable_text
 from retrieval.parsing import (
     DocumentParseError,
     ParsedDocument,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from retrieval.chunking import Chunk as TextChunk
     from retrieval.chunking import Chunker
     from retrieval.embedder import Embedder
+    from retrieval.lexical import LexicalIndex
     from retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,11 @@ class IngestTicket:
 
 
 class IngestService:
-    """Owns the ingest worker pool and every write to documents, chunks and the vector index."""
+    """Owns the ingest worker pool and every write to documents, chunks and the chunk indexes.
+
+    The chunk indexes are the vector index and, in hybrid retrieval, the BM25 `lexical` index;
+    both always hold the same chunk ids.
+    """
 
     def __init__(
         self,
@@ -99,12 +105,14 @@ class IngestService:
         max_upload_bytes: int,
         num_workers: int = 1,
         queue_size: int = 64,
+        lexical: LexicalIndex | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
             raise ValueError("num_workers and queue_size must be at least 1")
         self._sessions = sessions
         self._embedder = embedder
         self._index = index
+        self._lexical = lexical
         self._chunker = chunker
         self._max_upload_bytes = max_upload_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="ingest")
@@ -159,8 +167,7 @@ class IngestService:
         # Rows go first: a crash in between leaves orphan vectors, which search skips and the
         # start-up reconcile removes; the other order would leave unsearchable rows.
         if chunk_ids:
-            self._index.remove(np.asarray(chunk_ids, dtype=np.int64))
-            self._index.save()
+            self._remove_from_indexes(np.asarray(chunk_ids, dtype=np.int64))
 
     def close(self, wait: bool = True, cancel_pending: bool = False) -> None:
         """Stop the worker pool. Cancelled jobs leave their documents `pending`, which the next
@@ -229,8 +236,11 @@ class IngestService:
                 session.add_all(rows)
                 session.flush()
                 ids = np.asarray([r.id for r in rows], dtype=np.int64)
-                self._index.add(ids, vectors)
                 added = ids
+                self._index.add(ids, vectors)
+                if self._lexical is not None:
+                    texts = [searchable_text(c.text, c.heading) for c in chunks]
+                    self._lexical.add(ids, texts)
                 self._index.save()
                 doc = session.get(Document, document_id)
                 if doc is None:
@@ -239,9 +249,14 @@ class IngestService:
                 session.commit()
         except BaseException:
             if added is not None:
-                self._index.remove(added)
-                self._index.save()
+                self._remove_from_indexes(added)
             raise
+
+    def _remove_from_indexes(self, ids: np.ndarray) -> None:
+        self._index.remove(ids)
+        if self._lexical is not None:
+            self._lexical.remove(ids)
+        self._index.save()
 
     def _set_status(self, document_id: int, status: str, error: str | None = None) -> None:
         with self._sessions() as session:

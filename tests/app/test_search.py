@@ -25,10 +25,14 @@ def search(client: TestClient, query: str, **params: object) -> list[dict]:
 def search_app(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, embedder: Embedder
 ) -> Iterator[tuple[TestClient, dict[str, int]]]:
-    """One loaded app and corpus per database, shared by this module's read-only tests."""
+    """One loaded app and corpus per database, shared by this module's read-only tests.
+
+    Dense mode, whose scores are cosines; test_hybrid_search.py covers the hybrid default.
+    """
     tmp_path = tmp_path_factory.mktemp("search")
     for url in fresh_database(request.param, tmp_path):
-        with started(make_settings(tmp_path, url), embedder) as test_client:
+        settings = make_settings(tmp_path, url).model_copy(update={"retrieval_mode": "dense"})
+        with started(settings, embedder) as test_client:
             yield test_client, _ingest_corpus(test_client)
 
 
