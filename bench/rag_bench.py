@@ -3,8 +3,10 @@
     python -m bench.rag_bench [--max-tokens 16] [--top-k 4]
 
 Each page gets one conversation of 10 follow-up questions, scoped to that page (as a user who
-opened it would ask); the conversations are interleaved round by round (A1 B1 C1 D1 A2 ...) as
-on a shared service. The same 40 questions run against a fresh app for each of: prefix cache
+opened it would ask), asked as one multi-turn conversation: every request sends the earlier
+turns back in `history`, so its prompt extends the previous turn's prompt and answer. The
+conversations are interleaved round by round (A1 B1 C1 D1 A2 ...) as on a shared service.
+The same 40 questions run against a fresh app for each of: prefix cache
 on/off x canonical/score ordering of the retrieved chunks. Requests go through the real HTTP
 route (/v1/query, in-process client). Writes bench/results/rag_bench.json and rag_bench.png and
 prints a summary. Goal: cache on + canonical has mean TTFT <= 1/3 of cache off and >= 60% of
@@ -153,13 +155,16 @@ def run_once(
             "/v1/query", json={"question": "warm up", "collection": "none", "max_tokens": 2}
         )
         rows = []
+        histories: dict[str, list[dict[str, Any]]] = {page: [] for page in CONVERSATIONS}
         for page, doc_id, question in tqdm(questions, desc=name, unit="q"):
+            history = histories[page]
             body = {
                 "question": question,
                 "document_ids": [doc_id],
                 "top_k": args.top_k,
                 "max_tokens": args.max_tokens,
                 "temperature": 0,
+                "history": history,
             }
             t0 = time.perf_counter()
             response = client.post("/v1/query", json=body)
@@ -170,13 +175,18 @@ def run_once(
             rows.append(
                 {
                     "page": page,
+                    "turn": len(history) + 1,
                     "question": question,
-                    "chunk_ids": [c["chunk_id"] for c in out["citations"]],
+                    "chunk_ids": out["chunk_ids"],
+                    "num_citations": len(out["citations"]),
+                    "dropped_turns": out["dropped_turns"],
                     "wall_ms": wall_ms,
                     **out["usage"],
                     **out["timings"],
                 }
             )
+            turn = {"question": question, "answer": out["answer"], "chunk_ids": out["chunk_ids"]}
+            history.append(turn)
         return rows
     finally:
         client.__exit__(None, None, None)
@@ -195,7 +205,32 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
         "prompt_tokens_mean": prompt / len(rows),
         "retrieval_mean_ms": float(np.mean([r["embed_ms"] + r["search_ms"] for r in rows])),
         "rerank_mean_ms": float(np.mean([r["rerank_ms"] for r in rows])),
+        "dropped_turns": sum(r["dropped_turns"] for r in rows),
+        "follow_ups_fully_reused": fully_reused(rows),
     }
+
+
+def per_turn(rows: list[dict[str, Any]], key: str) -> list[float]:
+    """Mean of `key` by turn number (1, 2, ...) across the conversations."""
+    num_turns = max(r["turn"] for r in rows)
+    return [
+        float(np.mean([r[key] for r in rows if r["turn"] == t])) for t in range(1, num_turns + 1)
+    ]
+
+
+def fully_reused(rows: list[dict[str, Any]], block_size: int = 16) -> float:
+    """Share of follow-ups whose cache hit covers everything the engine computed for the turn
+    before (its prompt and all but the last generated token, in whole blocks): less means the
+    answer text tokenized differently than generated, or blocks were evicted."""
+    last: dict[str, dict[str, Any]] = {}
+    hits = []
+    for r in rows:
+        before = last.get(r["page"])
+        if before is not None:
+            computed = before["prompt_tokens"] + before["completion_tokens"] - 1
+            hits.append(r["cached_tokens"] >= computed // block_size * block_size)
+        last[r["page"]] = r
+    return float(np.mean(hits)) if hits else 0.0
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
@@ -204,14 +239,22 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, (ax, ax_len) = plt.subplots(1, 2, figsize=(14, 5), width_ratios=[2, 1])
     for name, rows in results.items():
         ax.plot(range(1, len(rows) + 1), [r["ttft_ms"] for r in rows], marker=".", label=name)
-    ax.set_xlabel("question (interleaved across 4 conversations)")
+    ax.set_xlabel("question (4 conversations interleaved round by round)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
-    ax.set_title("RAG workload: TTFT per question, prefix cache x chunk order")
+    ax.set_title("TTFT per question, prefix cache x chunk order")
     ax.legend()
+    rows = results["cache_on_canonical"]
+    turns = range(1, max(r["turn"] for r in rows) + 1)
+    ax_len.plot(turns, per_turn(rows, "prompt_tokens"), marker="o", label="prompt tokens")
+    ax_len.plot(turns, per_turn(rows, "cached_tokens"), marker="o", label="cached (cache on)")
+    ax_len.set_xlabel("turn of the conversation")
+    ax_len.set_ylabel("tokens (mean of 4 conversations)")
+    ax_len.set_title("Prompt length per turn (canonical)")
+    ax_len.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -220,7 +263,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--kv-gb", type=float, default=0.5)
+    # 4 conversations of up to ~5k tokens stay cached side by side (fp32 KV, ~46 KB a token)
+    parser.add_argument("--kv-gb", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=10, help="questions per conversation")
     args = parser.parse_args()
     embedder = Embedder(packaged_embedder_path())
@@ -236,6 +280,13 @@ def main() -> None:
             settings = make_settings(data_dir, cache_on, args.kv_gb)
             results[name] = run_once(name, settings, order, embedder, questions, args)
     summary = {name: summarize(rows) for name, rows in results.items()}
+    by_turn = {
+        name: {
+            "prompt_tokens": per_turn(rows, "prompt_tokens"),
+            "ttft_ms": per_turn(rows, "ttft_ms"),
+        }
+        for name, rows in results.items()
+    }
     on, off = summary["cache_on_canonical"], summary["cache_off_canonical"]
     goals = {
         "ttft_ratio_on_vs_off": on["ttft_mean_ms"] / off["ttft_mean_ms"],
@@ -244,7 +295,13 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     config = {**vars(args), "pages": list(CONVERSATIONS), "num_questions": len(questions)}
-    payload = {"config": config, "summary": summary, "goals": goals, "per_question": results}
+    payload = {
+        "config": config,
+        "summary": summary,
+        "goals": goals,
+        "per_turn": by_turn,
+        "per_question": results,
+    }
     (RESULTS / "rag_bench.json").write_text(json.dumps(payload, indent=2))
     plot(results, RESULTS / "rag_bench.png")
     print(
@@ -257,6 +314,12 @@ def main() -> None:
             f"{s['total_s']:>9.1f}{s['cached_share']:>8.0%}{s['retrieval_mean_ms']:>7.1f}"
             f"{s['rerank_mean_ms']:>7.1f}"
         )
+    lengths = " ".join(f"{n:.0f}" for n in by_turn["cache_on_canonical"]["prompt_tokens"])
+    print(f"prompt tokens per turn (mean of 4 conversations): {lengths}")
+    print(
+        f"follow-ups whose hit covers the whole previous turn (cache on, canonical): "
+        f"{on['follow_ups_fully_reused']:.0%}; dropped turns: {on['dropped_turns']:.0f}"
+    )
     print(
         f"TTFT cache on/off (canonical): {goals['ttft_ratio_on_vs_off']:.2f} (goal <= 0.33); "
         f"cached share {on['cached_share']:.0%} (goal >= 60%)"

@@ -78,3 +78,35 @@ def test_conversation_without_a_user_message_is_rejected(client: openai.OpenAI):
         client.chat.completions.create(
             model=RAG_MODEL, messages=[{"role": "system", "content": "hi"}], max_tokens=4
         )
+
+
+def test_multi_turn_messages_become_the_history_and_reuse_the_cache(client: openai.OpenAI):
+    first_question = "What does the keeper write in the logbook?"
+    first = client.chat.completions.create(
+        model=RAG_MODEL,
+        messages=[{"role": "user", "content": first_question}],
+        max_tokens=6,
+        temperature=0,
+    )
+    messages = [
+        {"role": "system", "content": "ignored: the service has its own system prompt"},
+        {"role": "user", "content": first_question},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": QUESTION},
+    ]
+    second = client.chat.completions.create(
+        model=RAG_MODEL, messages=messages, max_tokens=6, temperature=0
+    )
+    # The second prompt repeats the first prompt and answer exactly (the Sources block cut
+    # off, the chunks recovered by retrieving the first question again), so the engine
+    # serves all that it computed for the first turn from its cache.
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= computed // 16 * 16
+    assert second.usage.prompt_tokens > computed
+    old = {c["chunk_id"]: c["n"] for c in first.model_extra["citations"]}  # type: ignore[index]
+    for c in second.model_extra["citations"]:  # type: ignore[index]
+        if c["chunk_id"] in old:
+            assert c["n"] == old[c["chunk_id"]]  # an earlier source keeps its number
+        else:
+            assert c["n"] > len(old)
