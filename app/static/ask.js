@@ -1,5 +1,8 @@
 // The question panel: POST /v1/query with stream=true, render deltas as they arrive, turn [n]
 // markers into links to the numbered sources, and show cache and latency figures when done.
+// Questions form one conversation: each follow-up sends the earlier turns back as `history`
+// (question, answer, chunk_ids), so its prompt extends the previous one and the server's prefix
+// cache serves it; "New conversation" starts over.
 
 import { request } from "./api.js";
 import { readEvents } from "./sse.js";
@@ -17,8 +20,12 @@ export class AskPanel {
     this.error = root.querySelector("#ask-error");
     this.answers = root.querySelector("#answers");
     this.template = document.querySelector("#turn-template");
+    this.newButton = root.querySelector("#new-conversation");
     this.controller = null;
     this.numTurns = 0;
+    this.history = [];
+    this.historyCollection = null;
+    this.newButton.addEventListener("click", () => this.newConversation());
     this.form.addEventListener("submit", (e) => {
       e.preventDefault();
       this.ask();
@@ -42,10 +49,21 @@ export class AskPanel {
       max_tokens: number("#max-tokens"),
       temperature: number("#temperature"),
       stream: true,
+      history: this.history,
     };
   }
 
+  newConversation() {
+    this.history = [];
+    this.historyCollection = null;
+    this.answers.replaceChildren();
+    this.showError("");
+    this.newButton.disabled = true;
+  }
+
   async ask() {
+    // Earlier turns cite chunks of their collection only: another collection starts over.
+    if (this.history.length && this.historyCollection !== this.collection()) this.newConversation();
     const body = this.body();
     if (!body.question) return;
     this.showError("");
@@ -61,6 +79,7 @@ export class AskPanel {
       });
       await readEvents(response, (name, data) => turn.on(name, data));
       turn.finish();
+      this.remember(body, turn);
     } catch (err) {
       const message = err.name === "AbortError" ? "Stopped." : err.message;
       turn.fail(message);
@@ -70,9 +89,18 @@ export class AskPanel {
     }
   }
 
+  remember(body, turn) {
+    if (!turn.isDone) return;
+    // The server left out the oldest turns to fit: so does the conversation from now on.
+    this.history = [...this.history.slice(turn.droppedTurns), turn.record()];
+    this.historyCollection = body.collection;
+    this.newButton.disabled = false;
+  }
+
   setBusy(isBusy) {
     this.controller = isBusy ? new AbortController() : null;
     this.askButton.disabled = isBusy;
+    this.newButton.disabled = isBusy || this.history.length === 0;
     this.askButton.textContent = isBusy ? "Answering…" : "Ask";
     this.stopButton.hidden = !isBusy;
   }
@@ -89,7 +117,11 @@ class Turn {
     this.root = template.content.firstElementChild.cloneNode(true);
     this.root.dataset.turn = index;
     this.index = index;
+    this.question = question;
     this.text = "";
+    this.chunkIds = [];
+    this.droppedTurns = 0;
+    this.isDone = false;
     this.citations = new Map();
     this.root.querySelector(".question").textContent = question;
     this.answer = this.root.querySelector(".answer");
@@ -102,7 +134,13 @@ class Turn {
     else if (name === "error") throw new Error(data.detail || "the answer failed");
   }
 
-  showCitations({ citations, dropped_chunks: dropped }) {
+  showCitations({ citations, chunk_ids: chunkIds, dropped_chunks: dropped, dropped_turns: droppedTurns }) {
+    this.chunkIds = chunkIds || [];
+    this.droppedTurns = droppedTurns || 0;
+    if (this.droppedTurns > 0) {
+      const n = this.droppedTurns;
+      this.notice(`The ${n} oldest turn${n === 1 ? " was" : "s were"} left out to fit the model's context window.`);
+    }
     const list = this.root.querySelector(".citations");
     list.replaceChildren(...citations.map((c) => this.citation(c)));
     this.root.querySelector(".sources-heading").hidden = citations.length === 0;
@@ -176,8 +214,14 @@ class Turn {
     return link;
   }
 
+  /** The turn as the next question's `history` entry: the answer exactly as the server sent it. */
+  record() {
+    return { question: this.question, answer: this.text, chunk_ids: this.chunkIds };
+  }
+
   done({ answer, usage, timings, finish_reason: reason }) {
     if (typeof answer === "string") this.text = answer;
+    this.isDone = true;
     this.render(false);
     const stats = this.root.querySelector(".stats");
     const share = usage.prompt_tokens ? Math.round((100 * usage.cached_tokens) / usage.prompt_tokens) : 0;

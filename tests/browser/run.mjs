@@ -113,6 +113,29 @@ async function checkCitationsAndStats(turn, title) {
   console.log(`${await citations.count()} citations; cached ${cached}; TTFT ${ttft}`);
 }
 
+// A follow-up question: its prompt repeats the first turn, so the cache serves what the first
+// turn computed; then "New conversation" clears the answers and the history.
+async function followUp(page, first) {
+  const figures = async (turn) => {
+    const [cached, prompt] = (await turn.locator("[data-stat=cached]").innerText()).match(/\d+/g).map(Number);
+    return { cached, prompt, completion: Number(await turn.locator("[data-stat=completion]").innerText()) };
+  };
+  const before = await figures(first);
+  check(!(await page.locator("#new-conversation").isDisabled()), "New conversation is enabled after an answer");
+  await page.fill("#question", `Tell me more: ${question}`);
+  await page.click("#ask-button");
+  await page.locator(".turn").nth(1).waitFor({ timeout: STEP_MS });
+  const turn = page.locator(".turn").first();
+  await turn.locator(".answer[aria-busy=false]").waitFor({ timeout: ANSWER_MS });
+  const after = await figures(turn);
+  const computed = before.prompt + before.completion - 1;
+  check(after.cached >= Math.floor(computed / 16) * 16, `the follow-up reuses the first turn: ${JSON.stringify({ before, after })}`);
+  console.log(`follow-up: cached ${after.cached} of ${after.prompt} (first turn ${before.prompt} + ${before.completion})`);
+  await page.click("#new-conversation");
+  check((await page.locator(".turn").count()) === 0, "New conversation clears the answers");
+  check(await page.locator("#new-conversation").isDisabled(), "New conversation is disabled with no history");
+}
+
 async function deletes(page, title) {
   await page.getByRole("button", { name: `Delete ${title}` }).click();
   await page.locator(".doc", { hasText: title }).waitFor({ state: "detached", timeout: STEP_MS });
@@ -146,6 +169,7 @@ async function main() {
     const screenshot = join(outDir, "page.png");
     await page.screenshot({ path: screenshot, fullPage: true });
     console.log(`screenshot: ${screenshot}`);
+    await followUp(page, turn);
     await page.setViewportSize({ width: 390, height: 844 });
     const narrow = await page.evaluate(() => document.documentElement.scrollWidth);
     check(narrow <= 390, `no sideways scrolling on a phone-sized screen (page is ${narrow}px wide)`);
