@@ -71,7 +71,8 @@ class LexicalIndex:
             raise ValueError(f"{len(ids)} ids for {len(texts)} texts")
         if len(np.unique(ids)) != len(ids):
             raise ValueError("ids must be unique")
-        term_counts = [self._count_terms(t) for t in texts]  # outside the lock: the slow part
+        # outside the lock: the slow part
+        term_counts = [self.analyzer.term_counts(t) for t in texts]
         with self._lock:
             held = [int(i) for i in ids if int(i) in self._slot_of]
             if held:
@@ -122,12 +123,6 @@ class LexicalIndex:
         return hit_scores[order].astype(np.float32), hit_ids[order]
 
     # internals: callers hold the lock
-
-    def _count_terms(self, text: str) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for term in self.analyzer.terms(text):
-            counts[term] = counts.get(term, 0) + 1
-        return counts
 
     def _insert(self, chunk_id: int, counts: dict[str, int]) -> None:
         slot = self._free_slots.pop() if self._free_slots else self._new_slot()

@@ -165,3 +165,12 @@ def test_rrf_refuses_bad_input() -> None:
         rrf_scores([[1]], [1.0, 2.0])
     with pytest.raises(ValueError, match="at least one"):
         rrf_scores([], [])
+
+
+@given(st.text(alphabet="ab_ cdeing sXY2.", max_size=60))
+def test_term_counts_count_the_terms(text: str) -> None:
+    analyzer = Analyzer()
+    expected: dict[str, int] = {}
+    for term in analyzer.terms(text):
+        expected[term] = expected.get(term, 0) + 1
+    assert analyzer.term_counts(text) == expected
