@@ -1,0 +1,139 @@
+"""The triton attention backend, with its fused RMSNorm and RoPE kernels, against the torch backend
+on the packaged SmolLM2: identical greedy output on CPU under TRITON_INTERPRET=1, with and without a
+prefix-cache hit, and bf16 logits within bf16 noise of an fp32 reference on CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from app.settings import packaged_llm_path
+from engine.attention import KernelAttention, make_backend
+from engine.model import KernelRope
+from engine.model_runner import ModelRunner, StepItem
+from engine.sampling_params import SamplingParams
+from tests.engine.llm_fixtures import make_engine, model_cache_dir
+
+HAS_CUDA = torch.cuda.is_available()
+BLOCK_SIZE = 16
+SHARED_TEXT = (
+    "Paged attention keeps the key and value cache in fixed-size blocks, and a radix tree maps "
+    "chains of block hashes to block ids so that requests sharing a prefix reuse its cache."
+)
+GREEDY_8 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _reload_compiled_kernels() -> None:
+    import triton
+
+    # triton.jit chose device code when these were imported; reloading rebuilds them interpreted.
+    for name in sorted(n for n in sys.modules if n.startswith("kernels.")):
+        module = sys.modules[name]
+        if any(isinstance(v, triton.JITFunction) for v in vars(module).values()):
+            importlib.reload(module)
+
+
+@pytest.fixture(scope="module")
+def interpreted_kernels() -> Iterator[None]:
+    """kernels/ runs through Triton's interpreter for this module's CPU tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        _reload_compiled_kernels()
+        yield
+
+
+def _prompts(tokenizer) -> tuple[list[int], list[int]]:
+    # Short on purpose: the interpreter runs each kernel program op by op.
+    shared = tokenizer.encode(SHARED_TEXT)[: 2 * BLOCK_SIZE + 2]  # two full blocks and a bit
+    return shared + tokenizer.encode(" What is mapped?"), shared + tokenizer.encode(" Why blocks?")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        make_backend("triton", "cpu")
+    assert make_backend("auto", "cpu").fused_ops is None  # CPU default stays the torch path
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="with CUDA the gpu test runs the compiled kernels instead")
+def test_triton_greedy_output_matches_torch_on_cpu(request, interpreted_kernels):
+    from kernels.rms_norm import rms_norm
+    from kernels.rope import apply_rope_
+
+    common = {"device": "cpu", "num_kv_blocks": 16, "block_size": BLOCK_SIZE, "max_model_len": 256}
+    torch_engine = make_engine(request, attention_backend="torch", **common)
+    triton_engine = make_engine(request, attention_backend="triton", **common)
+    # The triton engine must really run the kernels: attention, norms and RoPE alike.
+    model = triton_engine.runner.model
+    assert isinstance(triton_engine.runner.backend, KernelAttention)
+    assert model.norm.fn is rms_norm and model.layers[0].post_attn_norm.fn is rms_norm
+    assert model.make_rope.func is KernelRope and model.make_rope.args == (apply_rope_,)
+
+    for prompt in _prompts(torch_engine.tokenizer):
+        expected = torch_engine.generate([prompt], GREEDY_8)[0]
+        got = triton_engine.generate([prompt], GREEDY_8)[0]
+        assert got.token_ids == expected.token_ids
+        assert got.cached_tokens == expected.cached_tokens
+    # the second prompt reused the first one's two full shared blocks
+    assert got.cached_tokens >= 2 * BLOCK_SIZE
+
+
+def _bf16_runs(request, device: str, backend: str) -> dict[str, list[torch.Tensor]]:
+    """Logits of the same token stream on three runners: fp32 torch (the reference), bf16 torch
+    and bf16 ``backend``. Prefill, 6 decode steps (tokens from the reference), then a second
+    prompt that extends 2 cached blocks of the first."""
+    runners = {
+        name: ModelRunner(
+            packaged_llm_path(),
+            block_size=BLOCK_SIZE,
+            num_blocks=16,
+            device=device,
+            dtype=dtype,
+            backend=kind,
+            cache_dir=model_cache_dir(request),
+        )
+        for name, dtype, kind in (
+            ("fp32", "float32", "torch"),
+            ("torch", "bfloat16", "torch"),
+            ("kernels", "bfloat16", backend),
+        )
+    }
+    first, second = _prompts(runners["fp32"].tokenizer)
+    shared = 2 * BLOCK_SIZE
+    blocks = [7, 2, 11, 4]  # scattered on purpose: every read goes through the block table
+    steps: list[StepItem] = [StepItem(first, 0, blocks)]
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
+    ids = list(first)
+    for _ in range(7):
+        for name, runner in runners.items():
+            out[name].append(runner.run([steps[-1]])[0].float().cpu())
+        ids.append(int(out["fp32"][-1].argmax()))
+        steps.append(StepItem(ids[-1:], len(ids) - 1, blocks))
+    # prefix hit: the second prompt's first two blocks are the first prompt's, already cached
+    hit = StepItem(second[shared:], shared, [*blocks[:2], 9, 13])
+    for name, runner in runners.items():
+        out[name].append(runner.run([hit])[0].float().cpu())
+    return out
+
+
+def _assert_within_bf16_noise(out: dict[str, list[torch.Tensor]]) -> None:
+    # bf16 greedy tokens may part ways after many steps, so compare logits step by step: the
+    # kernels' distance to fp32 must be of the order of torch bf16's own distance to fp32.
+    rows = zip(out["fp32"], out["torch"], out["kernels"], strict=True)
+    for step, (ref, bf16, got) in enumerate(rows):
+        noise = (bf16 - ref).abs().max().item()
+        error = (got - ref).abs().max().item()
+        assert error <= 2 * noise + 0.05, f"step {step}: kernels {error:.3f}, torch {noise:.3f}"
+        top2 = ref.topk(2).values
+        if top2[0] - top2[1] > 2 * (error + noise):  # a clear winner must stay the winner
+            assert int(got.argmax()) == int(ref.argmax()), f"step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_triton_bf16_logits_match_torch_bf16_on_cuda(request):
+    _assert_within_bf16_noise(_bf16_runs(request, "cuda", "triton"))
