@@ -54,9 +54,11 @@ class LLMEngine:
     Not thread-safe: one thread drives it (see AsyncEngine for the concurrent front end).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None) -> None:
+        """``runner``: a prebuilt one (e.g. :meth:`ModelRunner.from_config` for benchmarks);
+        then ``config`` only shapes the scheduler, and its model and KV fields are not read."""
         self.config = config
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             config.model,
             block_size=config.block_size,
             num_blocks=config.num_kv_blocks,
