@@ -11,7 +11,7 @@ from collections.abc import Sequence as SequenceOf
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepEvent
+from engine.llm_engine import LLMEngine, StepEvent, StepFailedError
 from engine.outputs import GenerationDelta, GenerationResult
 from engine.sampling_params import SamplingParams
 
@@ -161,8 +161,11 @@ class AsyncEngine:
                 continue
             try:
                 self._dispatch(self.engine.step())
-            except Exception as exc:  # keep serving: fail the requests in flight, not the thread
-                logger.exception("engine step failed; aborting the requests in flight")
+            except StepFailedError as exc:  # those requests fail; the others keep running
+                logger.exception("engine step failed; its requests were aborted")
+                self._fail(exc.seq_ids, exc)
+            except Exception as exc:  # the engine's own state is suspect: fail everything
+                logger.exception("engine step failed outside the model; aborting all requests")
                 self._fail_all(exc)
         self._fail_all(EngineDeadError("the engine has stopped"))
 
@@ -183,11 +186,16 @@ class AsyncEngine:
             if isinstance(event.output, GenerationResult):
                 del self._deliver[event.seq_id]
 
+    def _fail(self, seq_ids: list[int], exc: BaseException) -> None:
+        for seq_id in seq_ids:
+            deliver = self._deliver.pop(seq_id, None)
+            if deliver is not None:
+                deliver(RuntimeError(f"generation failed: {exc}"))
+
     def _fail_all(self, exc: BaseException) -> None:
-        for seq_id, deliver in list(self._deliver.items()):
+        for seq_id in list(self._deliver):
             self.engine.abort(seq_id)
-            deliver(RuntimeError(f"generation failed: {exc}"))
-        self._deliver.clear()
+        self._fail(list(self._deliver), exc)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

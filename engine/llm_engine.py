@@ -33,6 +33,14 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
 
 
+class StepFailedError(RuntimeError):
+    """The model failed on a step; the sequences in it were aborted, the engine goes on."""
+
+    def __init__(self, cause: BaseException, seq_ids: list[int]) -> None:
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.seq_ids = seq_ids
+
+
 @dataclass(slots=True)
 class StepEvent:
     """What one step produced for one request: a delta, or its final result."""
@@ -139,7 +147,15 @@ class LLMEngine:
         if not out.seqs:
             return events
         sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
-        token_ids = self._forward(out, sampled_seqs)
+        try:
+            token_ids = self._forward(out, sampled_seqs)
+        except Exception as exc:
+            # Keep the engine consistent: drop the step, abort what was in it, report it.
+            self.scheduler.discard(out)
+            seq_ids = [item.seq.seq_id for item in out.seqs]
+            for seq_id in seq_ids:
+                self.abort(seq_id)
+            raise StepFailedError(exc, seq_ids) from exc
         finished = self.scheduler.postprocess(out, token_ids)
         now = time.monotonic()
         for seq, token_id in zip(sampled_seqs, token_ids, strict=True):

@@ -299,6 +299,13 @@ class Scheduler:
         self._waiting = {seq.seq_id: seq, **self._waiting}
         out.preempted.append(seq)
 
+    def discard(self, out: SchedulerOutput) -> None:
+        """Forget the latest step because the model never finished it: no KV progress is
+        recorded, so its tokens are computed again when their sequences are next scheduled."""
+        if out is not self._in_flight:
+            raise ValueError("discard() takes the output of the latest schedule()")
+        self._in_flight = None
+
     # -- after the model ran ----------------------------------------------------------------
 
     def postprocess(

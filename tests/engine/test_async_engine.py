@@ -102,3 +102,26 @@ def test_stop_string_and_bad_prompt(engine):
     assert isinstance(result, GenerationResult)
     assert result.finish_reason == "stop" and result.stop_reason == stop
     assert text == full_text[: full_text.index(stop)]
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
+    runner = engine.engine.runner
+    real_run = runner.run
+
+    def fail_once(items, **kwargs):
+        runner.run = real_run
+        raise RuntimeError("injected fault")
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        runner.run = fail_once
+        with pytest.raises(RuntimeError, match="injected fault"):
+            await collect(engine, PROMPTS[0], params)
+        _, result = await collect(engine, PROMPTS[0], params)
+        stats = await engine.call(lambda e: e.cache_stats())
+        return result, stats
+
+    result, stats = asyncio.run(main())
+    assert result.finish_reason == "length" and result.completion_tokens == 8
+    assert stats["num_running"] == 0 and stats["blocks_used"] == stats["blocks_cached"]
