@@ -3,9 +3,12 @@
 Reports paged decode attention's achieved memory bandwidth against the device's peak and against
 torch SDPA over gathered KV (1k/8k/32k context), and extend attention TFLOP/s against torch SDPA for
 a 2k-token suffix on an 8k cached prefix. Every kernel is first checked against its reference on a
-small shape, so a wrong kernel is never timed. Writes bench/results/kernels_bench.json and a PNG.
+small shape, so a wrong kernel is never timed. Then our engine end to end on a Llama-3.1-8B-shaped
+model with random bf16 weights (bench/kernels_engine.py): decode tokens/s at batch 1/16/64 against
+the bandwidth bound, and TTFT of a 16k prompt cold vs with 15k cached. Writes
+bench/results/kernels_bench.json and a PNG.
 
-    python bench/kernels_bench.py [--peak-tbps 4.8] [--out bench/results/kernels_bench.json]
+    python -m bench.kernels_bench [--peak-tbps 4.8] [--no-engine] [--out PATH.json]
 
 Needs a CUDA GPU (about 3 minutes on an H100/H200); on CPU it prints why and exits 0.
 """
@@ -15,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernels_engine import bench_engine
 from kernels.extend_attention import extend_attention, extend_attention_reference
 from kernels.kv_write import write_kv, write_kv_reference
 from kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
@@ -181,41 +183,6 @@ def bench_extend() -> dict[str, float]:
     }
 
 
-class Engine(Protocol):
-    """What the end-to-end benchmark needs from an engine: greedy generation from token ids."""
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]: ...
-
-
-def bench_engine_end_to_end(make_engine: Callable[[], Engine]) -> dict[str, float]:
-    """END-TO-END ENGINE BENCHMARK, NOT WIRED YET: the lead passes a factory building a fresh
-    Llama-3-8B-shaped engine (random bf16 weights, prefix cache on).
-
-    Returns decode tokens/s at batch 1/16/64 and TTFT (time to the first token) for a 16k-token
-    prompt, cold vs with its first 15k tokens already cached.
-    """
-    results: dict[str, float] = {}
-    for batch in (1, 16, 64):
-        engine = make_engine()
-        prompts = [[(7 * b + i) % 1000 + 10 for i in range(128)] for b in range(batch)]
-        engine.generate(prompts, 1)  # prefill and warm-up
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, 128)
-        elapsed = time.perf_counter() - start
-        results[f"decode_tokens_per_s_batch{batch}"] = sum(map(len, outputs)) / elapsed
-    prompt = [(i * 31) % 30000 + 10 for i in range(16384)]
-    for label, warm_prefix in (("cold", 0), ("cached_15k", 15360)):
-        engine = make_engine()
-        if warm_prefix:
-            engine.generate([prompt[:warm_prefix]], 1)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.generate([prompt], 1)
-        torch.cuda.synchronize()
-        results[f"ttft_16k_{label}_s"] = time.perf_counter() - start
-    return results
-
-
 def _peak_tbps(override: float | None) -> tuple[str, float]:
     name = torch.cuda.get_device_name()
     if override is not None:
@@ -254,11 +221,27 @@ def _weight_bytes() -> int:
     return NUM_LAYERS * per_layer * DTYPE.itemsize
 
 
+def _print_engine(engine: dict) -> None:
+    print(f"engine end to end ({engine['backend']}), Llama-3.1-8B shape, random bf16 weights:")
+    for r in engine["decode"]:
+        print(
+            f"  decode batch {r['batch']:>2}: {r['tokens_per_s']:8.0f} tok/s, "
+            f"{r['ms_per_step']:.2f} ms/step, {r['fraction_of_bound']:.0%} of the bandwidth bound "
+            f"({r['bandwidth_bound_tokens_per_s']:.0f} tok/s)"
+        )
+    t = engine["ttft_16k"]
+    print(
+        f"  TTFT {t['prompt_tokens']} tokens: cold {t['ttft_cold_s']:.3f} s, "
+        f"{t['cached_tokens_warm']} cached {t['ttft_cached_s']:.3f} s ({t['speedup']:.1f}x)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, write JSON and PNG, print a summary; exit 0 with a message on CPU."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peak-tbps", type=float, default=None, help="override peak HBM TB/s")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_bench.json"))
+    parser.add_argument("--no-engine", action="store_true", help="skip the end-to-end part")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -270,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     precheck()
     decode = [bench_decode(ctx, batch, peak) for ctx, batch in DECODE_CASES]
     extend = bench_extend()
+    engine = None if args.no_engine else bench_engine(peak)
     result = {
         "device": device,
         "peak_tbps": peak,
@@ -278,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [asdict(r) for r in decode],
         "extend": extend,
         "weight_bytes": _weight_bytes(),
-        "engine_end_to_end": "not wired: see bench_engine_end_to_end",
+        "engine_end_to_end": engine if engine is not None else "skipped (--no-engine)",
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -296,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{extend['triton_tflops']:.0f} TFLOP/s; torch masked SDPA "
         f"{extend['torch_sdpa_masked_ms']:.2f} ms {extend['torch_sdpa_tflops']:.0f} TFLOP/s"
     )
+    if engine is not None:
+        _print_engine(engine)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
