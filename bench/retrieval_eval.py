@@ -1,15 +1,17 @@
-"""Retrieval quality on the Python 3.11 docs: recall@1/5/10 and MRR per retrieval variant.
+"""Retrieval quality on the Python 3.11 docs: recall@1/5/10 and MRR per chunking and variant.
 
 Needs Debian's python3.11-doc (HTML under /usr/share/doc/python3.11/html). The questions in
 bench/data/python_docs_qa.json are paraphrases; a chunk is relevant when it contains one of the
-question's answer strings verbatim.
+question's answer strings verbatim. Chunk embeddings are cached under bench/.cache, keyed by the
+model and the exact chunk texts, so fusion variants never re-embed.
 
-    python -m bench.retrieval_eval [--chunk-tokens 200] [--overlap 32]
+    python -m bench.retrieval_eval [--configs 200:32,128:24] [--structure definitions,headings]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -20,28 +22,53 @@ import numpy as np
 from tqdm import tqdm
 
 from app.settings import Settings, packaged_embedder_path
+from retrieval.analyzer import Analyzer
 from retrieval.chunking import Chunk, Chunker
 from retrieval.embedder import Embedder
-from retrieval.fusion import bm25_tokens, ranks_of, rrf
-from retrieval.parsing import parse_document
+from retrieval.fusion import rrf_fuse
+from retrieval.html_text import html_to_text
+from retrieval.lexical import LexicalIndex, searchable_text
+from retrieval.parsing import ParsedDocument, Section
 from retrieval.pipeline import Retriever
-from retrieval.reranker import Reranker
 from retrieval.vector_index import VectorIndex
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
 DATA = Path(__file__).parent / "data" / "python_docs_qa.json"
 RESULTS = Path(__file__).parent / "results" / "retrieval_eval.json"
+PLOT = RESULTS.with_suffix(".png")
+SHIPPED = "shipped: Retriever, settings' hybrid defaults"
+PLOTTED = ("dense", "bm25_heading+text", SHIPPED)
+CACHE = Path(__file__).parent / ".cache"
 KS = (1, 5, 10)
 CANDIDATES = 50
+FUSION_GRID = [(k, w) for k in (10, 30, 60) for w in (0.5, 1.0, 1.5, 2.0)]  # (rrf_k, bm25 weight)
 
 
-def load_chunks(spec: dict, chunker: Chunker) -> list[tuple[str, Chunk]]:
-    """(document name, chunk) for every chunk of every document of the eval set."""
-    out: list[tuple[str, Chunk]] = []
-    for name in tqdm(spec["documents"], desc="parse+chunk"):
-        doc = parse_document((DOC_ROOT / name).read_bytes(), "text/html")
-        out.extend((name, chunk) for chunk in chunker.split(doc))
-    return out
+def parse(name: str, definitions: bool) -> ParsedDocument:
+    text, headings, title = html_to_text((DOC_ROOT / name).read_bytes(), definitions=definitions)
+    sections = [Section(start, level, heading) for start, level, heading in headings]
+    return ParsedDocument(text, "text/html", None, sections, title)
+
+
+def load_chunks(docs: list[str], chunker: Chunker, definitions: bool) -> list[Chunk]:
+    """Every chunk of every document of the eval set, in document order."""
+    return [c for name in docs for c in chunker.split(parse(name, definitions))]
+
+
+def cached_embeddings(embedder: Embedder, texts: list[str]) -> np.ndarray:
+    """Embeddings of `texts`, from bench/.cache when these exact texts were embedded before."""
+    digest = hashlib.sha256(embedder.model_name_or_path.encode())
+    for text in texts:
+        digest.update(text.encode() + b"\x00")
+    path = CACHE / f"emb-{digest.hexdigest()[:24]}.npy"
+    if path.exists():
+        return np.load(path)
+    vectors = embedder.encode(texts, show_progress=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, vectors)
+    os.replace(tmp, path)
+    return vectors
 
 
 def first_relevant_rank(ranked_ids: list[int], texts: list[str], answers: list[str]) -> int | None:
@@ -51,132 +78,146 @@ def first_relevant_rank(ranked_ids: list[int], texts: list[str], answers: list[s
     return None
 
 
-def metrics(ranks: list[int | None]) -> dict[str, float]:
+def evaluate(questions: list[dict], texts: list[str], rankings: list[list[int]]) -> dict:
+    ranks = [
+        first_relevant_rank(r[:10], texts, q["a"]) for q, r in zip(questions, rankings, strict=True)
+    ]
     out = {f"recall@{k}": float(np.mean([r is not None and r < k for r in ranks])) for k in KS}
-    out["mrr@10"] = float(
-        np.mean([1.0 / (r + 1) if r is not None and r < 10 else 0.0 for r in ranks])
-    )
+    out["mrr@10"] = float(np.mean([1.0 / (r + 1) if r is not None else 0.0 for r in ranks]))
+    out["misses_at_5"] = [
+        q["q"] for q, r in zip(questions, ranks, strict=True) if r is None or r >= 5
+    ]
     return out
 
 
-def evaluate(
-    name: str, questions: list[dict], texts: list[str], rank_fn: Callable[[str], list[int]]
-) -> dict:
-    ranks = []
-    start = time.perf_counter()
-    for q in tqdm(questions, desc=name):
-        ranks.append(first_relevant_rank(rank_fn(q["q"])[:10], texts, q["a"]))
-    result = metrics(ranks) | {
-        "ms_per_query": 1000 * (time.perf_counter() - start) / len(questions)
+def run_config(
+    embedder: Embedder, spec: dict, size: int, overlap: int, definitions: bool
+) -> dict[str, dict]:
+    """Every retrieval variant on one chunking of the corpus."""
+    questions = spec["questions"]
+    chunker = Chunker(embedder.count_tokens, size, overlap)
+    chunks = load_chunks(spec["documents"], chunker, definitions)
+    texts = [c.text for c in chunks]
+    print(f"{len(texts)} chunks", flush=True)
+    ids = np.arange(len(texts), dtype=np.int64)
+    t0 = time.perf_counter()
+    index = VectorIndex(embedder.dim, use_gpu="no")
+    index.add(ids, cached_embeddings(embedder, texts))
+    embed_s = time.perf_counter() - t0
+    lexical = {name: LexicalIndex(analyzer) for name, analyzer in ANALYZERS.items()}
+    for lex in lexical.values():
+        lex.add(ids, texts)
+    with_heading = LexicalIndex()  # what the service indexes
+    with_heading.add(ids, [searchable_text(c.text, c.heading) for c in chunks])
+
+    query_vectors = embedder.encode([q["q"] for q in questions])
+    dense = [index.search(v, CANDIDATES)[1][0].tolist() for v in query_vectors]
+    results: dict[str, dict] = {"dense": evaluate(questions, texts, dense)}
+    lex_runs = {name: _lexical_run(lex, questions) for name, lex in lexical.items()}
+    lex_runs["bm25_heading+text"] = _lexical_run(with_heading, questions)
+    for name, run in lex_runs.items():
+        results[name] = evaluate(questions, texts, run)
+    for lex_name in ("bm25", "bm25_heading+text"):
+        for k, w in FUSION_GRID:
+            pairs = zip(dense, lex_runs[lex_name], strict=True)
+            fused = [rrf_fuse([d, lx], [1.0, w], k) for d, lx in pairs]
+            results[f"rrf[{lex_name}] k={k} w={w}"] = evaluate(questions, texts, fused)
+    defaults = Settings()
+    shipped = Retriever(
+        embedder,
+        index,
+        None,
+        lexical=with_heading,
+        lexical_weight=defaults.hybrid_bm25_weight,
+        rrf_k=defaults.hybrid_rrf_k,
+    )
+    results[SHIPPED] = evaluate(
+        questions, texts, [_retrieve(shipped, q["q"], texts) for q in tqdm(questions, "shipped")]
+    )
+    answerable = sum(any(a in t for t in texts for a in q["a"]) for q in questions)
+    meta = {
+        "chunks": len(texts),
+        "answerable_in_some_chunk": answerable,
+        "embed_or_cache_seconds": round(embed_s, 1),
     }
-    result["misses_at_5"] = [
-        q["q"] for q, r in zip(questions, ranks, strict=True) if r is None or r >= 5
-    ]
-    return result
+    return {"meta": meta, "results": results}
+
+
+ANALYZERS: dict[str, Analyzer] = {
+    "bm25_plain_words": Analyzer(stop_words=False, stem=False, split_identifiers=False),
+    "bm25_stop": Analyzer(stop_words=True, stem=False, split_identifiers=False),
+    "bm25_stop+split": Analyzer(stop_words=True, stem=False, split_identifiers=True),
+    "bm25": Analyzer(),  # the shipped analyzer: stop words, identifier parts, light stemming
+}
+
+
+def _lexical_run(lex: LexicalIndex, questions: list[dict]) -> list[list[int]]:
+    return [lex.search(q["q"], CANDIDATES)[1].tolist() for q in questions]
+
+
+def _retrieve(retriever: Retriever, query: str, texts: list[str]) -> list[int]:
+    fetch: Callable[[list[int]], dict[int, str]] = lambda ids: {i: texts[i] for i in ids}  # noqa: E731
+    result = retriever.retrieve(
+        query, top_k=10, candidates=CANDIDATES, allowed_ids=None, fetch_texts=fetch
+    )
+    return [h.chunk_id for h in result.hits]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunk-tokens", type=int, default=200)
-    parser.add_argument("--overlap", type=int, default=32)
+    parser.add_argument("--configs", default="200:32,128:24,96:16", help="chunk:overlap,...")
+    parser.add_argument("--structure", default="definitions,headings")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     spec = json.loads(DATA.read_text())
-    questions = spec["questions"]
-
     embedder = Embedder(packaged_embedder_path())
-    chunker = Chunker(embedder.count_tokens, args.chunk_tokens, args.overlap)
-    t0 = time.perf_counter()
-    chunks = load_chunks(spec, chunker)
-    texts = [c.text for _, c in chunks]
-    num_mb = sum(len(t) for t in texts) / 1e6
-    answerable = sum(any(a in t for t in texts for a in q["a"]) for q in questions)
-
-    ids = np.arange(len(texts), dtype=np.int64)
-    index = VectorIndex(embedder.dim, use_gpu="no")
-    index.add(ids, embedder.encode(texts, show_progress=True))
-    with_heading = [f"{c.heading}\n{c.text}" if c.heading else c.text for _, c in chunks]
-    heading_index = VectorIndex(embedder.dim, use_gpu="no")
-    heading_index.add(ids, embedder.encode(with_heading, show_progress=True))
-    ingest_s = time.perf_counter() - t0
-
-    fetch = lambda chunk_ids: {i: texts[i] for i in chunk_ids}  # noqa: E731
-    reranker = Reranker(Settings().rerank_model)
-    dense = Retriever(embedder, index, None)
-    hybrid_candidates = Retriever(embedder, index, None, hybrid=True)
-    dense_heading = Retriever(embedder, heading_index, None)
-    from rank_bm25 import BM25Okapi
-
-    bm25 = BM25Okapi([bm25_tokens(t) or [""] for t in texts])
-
-    def retriever_fn(retriever: Retriever) -> Callable[[str], list[int]]:
-        def rank(query: str) -> list[int]:
-            result = retriever.retrieve(
-                query, top_k=10, candidates=CANDIDATES, allowed_ids=None, fetch_texts=fetch
-            )
-            return [h.chunk_id for h in result.hits]
-
-        return rank
-
-    def bm25_rank(query: str) -> list[int]:
-        return np.argsort(-bm25.get_scores(bm25_tokens(query)), kind="stable")[:CANDIDATES].tolist()
-
-    def hybrid_full(query: str) -> list[int]:
-        """RRF over the union of dense and BM25 top candidates of the whole corpus."""
-        _, dense_ids = index.search(embedder.encode_query(query), CANDIDATES)
-        dense_rank = {c: r for r, c in enumerate(dense_ids[0].tolist())}
-        lexical_rank = ranks_of(bm25.get_scores(bm25_tokens(query)))
-        pool = list(dict.fromkeys(dense_ids[0].tolist() + bm25_rank(query)))
-        fused = rrf(
-            np.array([dense_rank.get(c, len(texts)) for c in pool]),
-            np.array([lexical_rank[c] for c in pool]),
-        )
-        return [pool[i] for i in np.argsort(-fused, kind="stable")]
-
-    variants = {
-        "dense": retriever_fn(dense),
-        "dense_heading_prefix": retriever_fn(dense_heading),
-        "bm25": bm25_rank,
-        "hybrid_bm25_rerank_of_dense_candidates": retriever_fn(hybrid_candidates),
-        "hybrid_rrf_full_corpus": hybrid_full,
-    }
-    results = {name: evaluate(name, questions, texts, fn) for name, fn in variants.items()}
-    if reranker.is_available:
-        results["dense+cross_encoder"] = evaluate(
-            "rerank", questions, texts, retriever_fn(Retriever(embedder, index, reranker))
-        )
-    report = {
-        "corpus": {
-            "documents": len(spec["documents"]),
-            "chunks": len(texts),
-            "text_mb": round(num_mb, 3),
-            "chunk_tokens": args.chunk_tokens,
-            "overlap_tokens": args.overlap,
-            "ingest_seconds_both_indexes": round(ingest_s, 1),
-        },
-        "questions": len(questions),
-        "answerable_in_some_chunk": answerable,
-        "candidates": CANDIDATES,
-        "reranker": {"model": Settings().rerank_model, "status": reranker.status},
-        "results": results,
-    }
+    report: dict = {"questions": len(spec["questions"]), "documents": len(spec["documents"])}
+    report["candidates"] = CANDIDATES
+    report["configs"] = {}
+    for structure in args.structure.split(","):
+        for config in args.configs.split(","):
+            size, overlap = (int(x) for x in config.split(":"))
+            name = f"{structure} {size}:{overlap}"
+            print(f"== {name}", flush=True)
+            out = run_config(embedder, spec, size, overlap, structure == "definitions")
+            report["configs"][name] = out
+            print_table(name, out)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))
-    print_summary(report)
+    plot(report)
 
 
-def print_summary(report: dict) -> None:
-    c = report["corpus"]
-    print(
-        f"\n{c['documents']} docs, {c['chunks']} chunks, {c['text_mb']} MB text; "
-        f"{report['questions']} questions ({report['answerable_in_some_chunk']} answerable)"
-    )
-    print(f"reranker {report['reranker']['model']}: {report['reranker']['status']}")
-    print(f"{'variant':42} {'R@1':>6} {'R@5':>6} {'R@10':>6} {'MRR':>6} {'ms/q':>7}")
-    for name, r in report["results"].items():
+def plot(report: dict) -> None:
+    """Recall@5 and @10 of the main variants per chunking config, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(report["configs"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    width = 0.8 / len(PLOTTED)
+    for ax, k in zip(axes, (5, 10), strict=True):
+        for i, variant in enumerate(PLOTTED):
+            values = [report["configs"][c]["results"][variant][f"recall@{k}"] for c in configs]
+            ax.bar(np.arange(len(configs)) + i * width, values, width, label=variant)
+        ax.set_xticks(np.arange(len(configs)) + width, configs, rotation=15, fontsize=8)
+        ax.set_title(f"recall@{k}, {report['questions']} questions")
+        ax.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+
+
+def print_table(name: str, out: dict) -> None:
+    print(f"\n{name}: {out['meta']}")
+    print(f"{'variant':46} {'R@1':>6} {'R@5':>6} {'R@10':>6} {'MRR':>6}")
+    for variant, r in out["results"].items():
         print(
-            f"{name:42} {r['recall@1']:6.3f} {r['recall@5']:6.3f} {r['recall@10']:6.3f} "
-            f"{r['mrr@10']:6.3f} {r['ms_per_query']:7.1f}"
+            f"{variant:46} {r['recall@1']:6.3f} {r['recall@5']:6.3f} {r['recall@10']:6.3f} "
+            f"{r['mrr@10']:6.3f}",
+            flush=True,
         )
 
 
