@@ -15,6 +15,7 @@ from app.settings import packaged_llm_path
 from engine.attention import KernelAttention, make_backend
 from engine.model import KernelRope
 from engine.model_runner import ModelRunner, StepItem
+from engine.outputs import GenerationResult
 from engine.sampling_params import SamplingParams
 from tests.engine.llm_fixtures import make_engine, model_cache_dir
 
@@ -73,13 +74,30 @@ def test_triton_greedy_output_matches_torch_on_cpu(request, interpreted_kernels)
     assert model.norm.fn is rms_norm and model.layers[0].post_attn_norm.fn is rms_norm
     assert model.make_rope.func is KernelRope and model.make_rope.args == (apply_rope_,)
 
-    for prompt in _prompts(torch_engine.tokenizer):
-        expected = torch_engine.generate([prompt], GREEDY_8)[0]
-        got = triton_engine.generate([prompt], GREEDY_8)[0]
-        assert got.token_ids == expected.token_ids
-        assert got.cached_tokens == expected.cached_tokens
-    # the second prompt reused the first one's two full shared blocks
-    assert got.cached_tokens >= 2 * BLOCK_SIZE
+    expected = _staggered(torch_engine, *_prompts(torch_engine.tokenizer))
+    got = _staggered(triton_engine, *_prompts(triton_engine.tokenizer))
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert [r.cached_tokens for r in got] == [r.cached_tokens for r in expected]
+    # no hit for the first prompt; the second reused its two full shared blocks
+    assert got[0].cached_tokens == 0 and got[1].cached_tokens >= 2 * BLOCK_SIZE
+
+
+def _staggered(engine, first: list[int], second: list[int]) -> list[GenerationResult]:
+    """The first prompt's prefill runs alone; then the second arrives, hits the first one's cached
+    blocks, and its extend shares a step with the first one's decode; both then decode together."""
+    results: dict[int, GenerationResult] = {}
+
+    def collect(events) -> None:
+        results.update(
+            (e.seq_id, e.output) for e in events if isinstance(e.output, GenerationResult)
+        )
+
+    seq_ids = [engine.add_request(first, GREEDY_8)]
+    collect(engine.step())
+    seq_ids.append(engine.add_request(second, GREEDY_8))
+    while engine.has_unfinished():
+        collect(engine.step())
+    return [results[i] for i in seq_ids]
 
 
 def _bf16_runs(request, device: str, backend: str) -> dict[str, list[torch.Tensor]]:
