@@ -42,13 +42,14 @@ class Settings(BaseSettings):
     # retrieval
     embed_model: str = ""
     rerank_model: str = "cross-encoder/ms-marco-MiniLM-L-6-v2"
-    chunk_tokens: int = Field(200, ge=16, le=4096)
-    chunk_overlap: int = Field(32, ge=0)
+    # 128/24 won on bench/retrieval_eval.py (MiniLM-L6-v2 was trained on 128-token sequences)
+    chunk_tokens: int = Field(128, ge=16, le=4096)
+    chunk_overlap: int = Field(24, ge=0)
     max_upload_bytes: int = Field(50 * 1024 * 1024, ge=1)
     # hybrid: BM25 over all chunks fused with the vector search (bench/retrieval_eval.py)
     retrieval_mode: Literal["dense", "hybrid"] = "hybrid"
     hybrid_bm25_weight: float = Field(1.0, ge=0.0, le=100.0)
-    hybrid_rrf_k: float = Field(60.0, ge=0.0, le=1000.0)
+    hybrid_rrf_k: float = Field(30.0, ge=0.0, le=1000.0)
     index_kind: Literal["flat", "ivf", "hnsw"] = "flat"
     index_nlist: int = Field(1024, ge=1)
     index_nprobe: int = Field(32, ge=1)
@@ -85,7 +86,7 @@ class Settings(BaseSettings):
     @field_validator("chunk_overlap")
     @classmethod
     def _overlap_below_size(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]
-        size = info.data.get("chunk_tokens", 200)
+        size = info.data.get("chunk_tokens", 128)
         if v >= size:
             raise ValueError(f"chunk_overlap ({v}) must be smaller than chunk_tokens ({size})")
         return v
