@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from app.settings import packaged_llm_path
+from bench.kernels_engine import synthetic_tokenizer
 from engine.attention import KernelAttention, make_backend
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.model import KernelRope
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, StepItem
 from engine.outputs import GenerationResult
 from engine.sampling_params import SamplingParams
@@ -58,6 +62,26 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         make_backend("triton", "cpu")
     assert make_backend("auto", "cpu").fused_ops is None  # CPU default stays the torch path
+
+
+def test_random_weight_runner_with_kernel_references_matches_torch():
+    # ModelRunner.from_config is what the GPU benchmark builds; the kernels' torch references
+    # (attention, fused norm, RoPE) must agree with the torch path on its weights too.
+    config = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 300, 512)
+    runners = [
+        ModelRunner.from_config(config, synthetic_tokenizer(300), seed=3, num_blocks=8, backend=b)
+        for b in ("torch", "reference")
+    ]
+    for a, b in zip(runners[0].model.parameters(), runners[1].model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ids = [(5 * i) % 290 + 1 for i in range(37)]
+    steps = [StepItem(ids[:30], 0, [6, 1, 3]), StepItem(ids[30:], 30, [6, 1, 3])]
+    for step in steps:
+        expected, got = (r.run([step], all_logits=True) for r in runners)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    engine = LLMEngine(EngineConfig(model="random", num_kv_blocks=8), runner=runners[1])
+    results = [engine.generate([ids[:n]], GREEDY_8)[0] for n in (20, 21)]
+    assert [len(r.token_ids) for r in results] == [8, 8] and results[1].cached_tokens == 16
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="with CUDA the gpu test runs the compiled kernels instead")
