@@ -68,7 +68,7 @@ class AsyncEngine:
         inbox: asyncio.Queue[Any] = asyncio.Queue()
 
         def deliver(item: GenerationDelta | GenerationResult | BaseException) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, item)
+            _post(loop, inbox.put_nowait, item)
 
         seq_id_box: list[int] = []
         self._submit(lambda: self._add(ids, params, namespace, request_id, deliver, seq_id_box))
@@ -104,9 +104,9 @@ class AsyncEngine:
             try:
                 value = fn(self.engine)
             except BaseException as exc:  # handed to the caller
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _post(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, value)
+                _post(loop, _set_result, future, value)
 
         self._submit(run)
         return await future
@@ -175,7 +175,10 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # one bad command must not stop the engine thread
+                logger.exception("engine command failed")
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         for event in events:
@@ -196,6 +199,15 @@ class AsyncEngine:
         for seq_id in list(self._deliver):
             self.engine.abort(seq_id)
         self._fail(list(self._deliver), exc)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Hand a value to a caller's event loop; a caller whose loop has closed is gone, so the
+    value is dropped (its request was or will be aborted)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
