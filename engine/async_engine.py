@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -204,10 +205,8 @@ class AsyncEngine:
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
     """Hand a value to a caller's event loop; a caller whose loop has closed is gone, so the
     value is dropped (its request was or will be aborted)."""
-    try:
+    with contextlib.suppress(RuntimeError):  # raised when the loop is closed
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed
-        pass
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
