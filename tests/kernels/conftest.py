@@ -1,26 +1,14 @@
 """Kernel tests run the Triton kernels on CPU through Triton's interpreter when there is no GPU.
 
-`triton.jit` decides at decoration time (when a kernels module is imported) whether it builds an
-interpreted function, so TRITON_INTERPRET must be set before any kernels module is imported.
-This conftest is imported before the test modules of this directory; if another test directory
-already imported a kernels module in this process, those modules are reloaded so their kernels
-are rebuilt under the interpreter. The variable stays set for the rest of the pytest process: it
-only changes how Triton kernels run, and without CUDA they cannot run any other way.
+tests/conftest.py sets TRITON_INTERPRET=1 before any test module imports kernels/: `triton.jit`
+decides at decoration time whether it builds an interpreted function, so setting it here, after
+other test directories may have imported kernels/, would be too late.
 """
-
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [n for n in sys.modules if n.startswith("kernels.")]:
-        importlib.reload(sys.modules[_name])
 
 # The device the non-gpu tests run the Triton kernels on (the interpreter on CPU).
 DEVICE = "cuda" if HAS_CUDA else "cpu"
