@@ -4,10 +4,6 @@ prefix-cache hit, and bf16 logits within bf16 noise of an fp32 reference on CUDA
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -30,25 +26,6 @@ SHARED_TEXT = (
     "chains of block hashes to block ids so that requests sharing a prefix reuse its cache."
 )
 GREEDY_8 = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _reload_compiled_kernels() -> None:
-    import triton
-
-    # triton.jit chose device code when these were imported; reloading rebuilds them interpreted.
-    for name in sorted(n for n in sys.modules if n.startswith("kernels.")):
-        module = sys.modules[name]
-        if any(isinstance(v, triton.JITFunction) for v in vars(module).values()):
-            importlib.reload(module)
-
-
-@pytest.fixture(scope="module")
-def interpreted_kernels() -> Iterator[None]:
-    """kernels/ runs through Triton's interpreter for this module's CPU tests."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        _reload_compiled_kernels()
-        yield
 
 
 def _prompts(tokenizer) -> tuple[list[int], list[int]]:
@@ -85,7 +62,8 @@ def test_random_weight_runner_with_kernel_references_matches_torch():
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="with CUDA the gpu test runs the compiled kernels instead")
-def test_triton_greedy_output_matches_torch_on_cpu(request, interpreted_kernels):
+def test_triton_greedy_output_matches_torch_on_cpu(request):
+    # tests/conftest.py set TRITON_INTERPRET=1 before kernels/ was first imported.
     from kernels.rms_norm import rms_norm
     from kernels.rope import apply_rope_
 
