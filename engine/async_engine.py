@@ -57,12 +57,14 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         namespace: str | bytes = b"",
+        public_prefix_tokens: int = 0,
         request_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
         """Yield text deltas as tokens are decoded, then one GenerationResult.
 
         Closing the iterator early (a client disconnect) aborts the request and frees its
-        blocks. Raises ValueError for a prompt that can never run.
+        blocks. Raises ValueError for a prompt that can never run. ``namespace`` and
+        ``public_prefix_tokens`` scope the prefix cache (see LLMEngine.add_request).
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         loop = asyncio.get_running_loop()
@@ -72,7 +74,8 @@ class AsyncEngine:
             _post(loop, inbox.put_nowait, item)
 
         seq_id_box: list[int] = []
-        self._submit(lambda: self._add(ids, params, namespace, request_id, deliver, seq_id_box))
+        scope = (namespace, public_prefix_tokens)
+        self._submit(lambda: self._add(ids, params, scope, request_id, deliver, seq_id_box))
         done = False
         try:
             while True:
@@ -134,14 +137,19 @@ class AsyncEngine:
         self,
         ids: list[int],
         params: SamplingParams,
-        namespace: str | bytes,
+        scope: tuple[str | bytes, int],
         request_id: str | None,
         deliver: Deliver,
         seq_id_box: list[int],
     ) -> None:
+        namespace, public_prefix_tokens = scope
         try:
             seq_id = self.engine.add_request(
-                ids, params, namespace=namespace, request_id=request_id
+                ids,
+                params,
+                namespace=namespace,
+                public_prefix_tokens=public_prefix_tokens,
+                request_id=request_id,
             )
         except ValueError as exc:
             deliver(exc)

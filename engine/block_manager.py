@@ -37,7 +37,11 @@ class BlockManager:
     def prefix_len(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``match`` would reuse now (no side effects)."""
         return self.cache.prefix_len(
-            seq.token_ids, seq.namespace, max_num_tokens=seq.num_tokens - 1, keys=seq.block_keys
+            seq.token_ids,
+            seq.namespace,
+            max_num_tokens=seq.num_tokens - 1,
+            keys=seq.block_keys,
+            public_tokens=seq.public_prefix_tokens,
         )
 
     def match(self, seq: Sequence) -> int:
@@ -53,6 +57,7 @@ class BlockManager:
             max_num_tokens=seq.num_tokens - 1,
             count_stats=False,
             keys=seq.block_keys,
+            public_tokens=seq.public_prefix_tokens,
         )
         self.cache.inc_lock_ref(match.last_node)
         seq.last_node = match.last_node
@@ -99,6 +104,7 @@ class BlockManager:
             seq.block_ids[start:end],
             seq.namespace,
             parent=parent,
+            public_tokens=max(0, seq.public_prefix_tokens - start * bs),
         )
         if not result.block_ids:
             return

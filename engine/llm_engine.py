@@ -100,9 +100,13 @@ class LLMEngine:
         params: SamplingParams,
         *,
         namespace: str | bytes = b"",
+        public_prefix_tokens: int = 0,
         request_id: str | None = None,
     ) -> int:
-        """Queue a request; returns its seq id. ValueError if the prompt can never run."""
+        """Queue a request; returns its seq id. ValueError if the prompt can never run.
+
+        ``namespace`` salts the request's cached blocks, except those inside its first
+        ``public_prefix_tokens`` tokens, which any namespace may share."""
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
@@ -111,7 +115,14 @@ class LLMEngine:
         if prompt_token_ids and max(prompt_token_ids) >= self.runner.vocab_size:
             raise ValueError("prompt contains token ids outside the vocabulary")
         seq_id = next(self._seq_ids)
-        seq = Sequence(seq_id, list(prompt_token_ids), params, namespace, time.monotonic())
+        seq = Sequence(
+            seq_id,
+            list(prompt_token_ids),
+            params,
+            namespace=namespace,
+            public_prefix_tokens=public_prefix_tokens,
+            arrival_time=time.monotonic(),
+        )
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
         self._requests[seq_id] = _Request(

@@ -3,6 +3,11 @@
 One node per full block. A node's key is ``hash_fn(parent_key, namespace, block_token_ids)``;
 the node also stores its namespace and token ids, and every lookup compares them, so neither a
 hash collision nor another tenant's prefix can ever hand out a block of different tokens.
+
+A lookup may declare its first ``public_tokens`` tokens public: the full blocks inside them go in
+the shared namespace ``b""`` (a system prompt every tenant sends), the rest in its own. Being a
+prefix, a public run is all a tenant can ever share, so another tenant's private blocks stay out
+of reach, even through the timing of a hit.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ def normalize_namespace(namespace: str | bytes) -> bytes:
     if isinstance(namespace, bytes):
         return namespace
     raise ValueError(f"namespace must be str or bytes, got {type(namespace).__name__}")
+
+
+def block_namespace(ns: bytes, public_tokens: int, block_index: int, block_size: int) -> bytes:
+    """The namespace of full block ``block_index``: shared while it lies inside the public run."""
+    return b"" if (block_index + 1) * block_size <= public_tokens else ns
 
 
 def block_key(parent_key: bytes, namespace: bytes, token_ids: Sequence[int]) -> bytes:
@@ -173,14 +183,16 @@ class RadixCache:
         max_num_tokens: int | None = None,
         count_stats: bool = True,
         keys: list[bytes] | None = None,
+        public_tokens: int = 0,
     ) -> PrefixMatch:
         """The longest cached run of full blocks that starts ``token_ids`` (at most
         ``max_num_tokens`` tokens), refreshing recency along the whole matched path.
 
         ``keys`` is an optional memo of this token list's block keys, extended in place; pass the
-        same list only with the same tokens, namespace and cache.
+        same list only with the same tokens, namespace, ``public_tokens`` and cache.
         """
-        path = self._walk(token_ids, normalize_namespace(namespace), max_num_tokens, keys)
+        ns = normalize_namespace(namespace)
+        path = self._walk(token_ids, ns, max_num_tokens, keys, public_tokens)
         num_tokens = len(path) * self.block_size
         if count_stats:
             self.record_query(len(token_ids), num_tokens)
@@ -199,9 +211,11 @@ class RadixCache:
         *,
         max_num_tokens: int | None = None,
         keys: list[bytes] | None = None,
+        public_tokens: int = 0,
     ) -> int:
         """How many tokens ``match_prefix`` would match, without touching recency or counters."""
-        path = self._walk(token_ids, normalize_namespace(namespace), max_num_tokens, keys)
+        ns = normalize_namespace(namespace)
+        path = self._walk(token_ids, ns, max_num_tokens, keys, public_tokens)
         return len(path) * self.block_size
 
     # -- insertion --------------------------------------------------------------------------
@@ -213,18 +227,22 @@ class RadixCache:
         namespace: str | bytes = b"",
         *,
         parent: RadixNode | None = None,
+        public_tokens: int = 0,
     ) -> InsertResult:
         """Cache the full blocks of ``token_ids`` (held in ``block_ids``, one per full block;
         extra trailing ids are ignored) below ``parent`` (default: the root).
 
         ``parent`` lets a sequence add blocks after its already-cached prefix without hashing it
-        again; it must be attached and in the same namespace.
+        again; it must be attached and in the same namespace or the shared one.
+        ``public_tokens`` counts from the start of ``token_ids``, not from the root.
         """
         ns = normalize_namespace(namespace)
         node = self.root if parent is None else parent
         self._check_attached(node)
-        if node is not self.root and node.namespace != ns:
+        if node is not self.root and node.namespace not in (ns, b""):
             raise ValueError("insert below a node of another namespace")
+        if node.namespace == ns and ns and public_tokens >= self.block_size:
+            raise ValueError("a public block cannot follow a private one")
         num_full = len(token_ids) // self.block_size
         if len(block_ids) < num_full:
             raise ValueError(f"{num_full} full blocks but only {len(block_ids)} block ids")
@@ -237,7 +255,8 @@ class RadixCache:
         held: list[int] = []
         duplicates: list[int] = []
         for i in range(num_full):
-            child = self._child_for(node, ns, token_ids, i, block_ids[i])
+            block_ns = block_namespace(ns, public_tokens, i, self.block_size)
+            child = self._child_for(node, block_ns, token_ids, i, block_ids[i])
             if child is None:
                 break
             if child.block_id != block_ids[i]:
@@ -304,10 +323,14 @@ class RadixCache:
             self._protect(node)
             node.lock_ref += 1
 
-    def pin(self, token_ids: Sequence[int], namespace: str | bytes = b"") -> PrefixMatch:
+    def pin(
+        self, token_ids: Sequence[int], namespace: str | bytes = b"", *, public_tokens: int = 0
+    ) -> PrefixMatch:
         """Make the cached full-block prefix of ``token_ids`` unevictable until ``unpin`` of the
         returned ``last_node``; pins nest. Returns what was pinned (only what is cached)."""
-        match = self.match_prefix(token_ids, namespace, count_stats=False)
+        match = self.match_prefix(
+            token_ids, namespace, count_stats=False, public_tokens=public_tokens
+        )
         node = match.last_node
         while node is not self.root:
             self._protect(node)
@@ -372,6 +395,7 @@ class RadixCache:
         ns: bytes,
         max_num_tokens: int | None,
         keys: list[bytes] | None,
+        public_tokens: int = 0,
     ) -> list[RadixNode]:
         if not self.enabled:
             return []
@@ -381,14 +405,15 @@ class RadixCache:
         node = self.root
         for i in range(max(limit, 0) // bs):
             block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            block_ns = block_namespace(ns, public_tokens, i, bs)
             if keys is not None and i < len(keys):
                 key = keys[i]
             else:
-                key = self._hash_fn(node.key, ns, block_tokens)
+                key = self._hash_fn(node.key, block_ns, block_tokens)
                 if keys is not None:
                     keys.append(key)
             child = node.children.get(key)
-            if child is None or child.token_ids != block_tokens or child.namespace != ns:
+            if child is None or child.token_ids != block_tokens or child.namespace != block_ns:
                 break
             path.append(child)
             node = child

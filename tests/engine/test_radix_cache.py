@@ -73,6 +73,25 @@ def test_namespaces_never_share_blocks() -> None:
     assert set(b_blocks).isdisjoint(cache.match_prefix([1, 2, 3, 4], "tenant-a").block_ids)
 
 
+def test_public_prefix_is_shared_and_the_rest_is_not() -> None:
+    cache, pool = make_cache()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # blocks of 2; the first 5 tokens are public
+    blocks = pool.allocate(4)
+    cache.insert(prompt, blocks, "tenant-a", public_tokens=5)
+    # tenant b gets the 2 full public blocks (4 tokens), never tenant a's private ones
+    assert cache.match_prefix(prompt, "tenant-b", public_tokens=5).block_ids == blocks[:2]
+    assert cache.match_prefix(prompt, "tenant-a", public_tokens=5).block_ids == blocks
+    # without declaring the prefix public, a tenant shares nothing
+    assert cache.match_prefix(prompt, "tenant-b").num_tokens == 0
+    with pytest.raises(ValueError, match="another namespace"):
+        cache.insert(
+            prompt[4:],
+            pool.allocate(2),
+            "tenant-b",
+            parent=cache.match_prefix(prompt, "tenant-a", public_tokens=5).last_node,
+        )
+
+
 def test_hash_collision_never_returns_other_tokens() -> None:
     cache, pool = make_cache(hash_fn=colliding_hash)
     cache_tokens(cache, pool, [1, 1])  # key 0
@@ -199,10 +218,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     tokens = st.lists(st.integers(1, 3), max_size=8)
     namespaces = st.sampled_from(["", "a", "b"])
+    publics = st.integers(0, 9)  # tokens of a lookup that any namespace may share
 
-    @rule(tokens=tokens, ns=namespaces, lock=st.booleans())
-    def insert(self, tokens: list[int], ns: str, lock: bool) -> None:
-        match = self.cache.match_prefix(tokens, ns)
+    @rule(tokens=tokens, ns=namespaces, public=publics, lock=st.booleans())
+    def insert(self, tokens: list[int], ns: str, public: int, lock: bool) -> None:
+        match = self.cache.match_prefix(tokens, ns, public_tokens=public)
         self.cache.inc_lock_ref(match.last_node)  # keep the match alive while allocating
         needed = len(tokens) // BS - len(match.block_ids)
         shortfall = needed - self.pool.num_free_blocks
@@ -214,28 +234,30 @@ class CacheMachine(RuleBasedStateMachine):
         fresh = self.pool.allocate(needed)
         for i, block in enumerate(fresh):
             end = (len(match.block_ids) + i + 1) * BS
-            self.content[block] = (ns.encode(), tuple(tokens[:end]))
-        result = self.cache.insert(tokens, match.block_ids + fresh, ns)
+            self.content[block] = (owner(ns, public, end), tuple(tokens[:end]))
+        result = self.cache.insert(tokens, match.block_ids + fresh, ns, public_tokens=public)
         self.pool.free(result.duplicate_block_ids)
         self.pool.free(fresh[len(result.block_ids) - len(match.block_ids) :])
         self.cache.dec_lock_ref(match.last_node)
         for i, block in enumerate(result.block_ids):
-            assert self.content[block] == (ns.encode(), tuple(tokens[: (i + 1) * BS]))
+            end = (i + 1) * BS
+            assert self.content[block] == (owner(ns, public, end), tuple(tokens[:end]))
         if lock:
             self.cache.inc_lock_ref(result.last_node)
             self.locks.append(result.last_node)
 
-    @rule(tokens=tokens, ns=namespaces, limit=st.none() | st.integers(0, 8))
-    def match(self, tokens: list[int], ns: str, limit: int | None) -> None:
-        match = self.cache.match_prefix(tokens, ns, max_num_tokens=limit)
+    @rule(tokens=tokens, ns=namespaces, public=publics, limit=st.none() | st.integers(0, 8))
+    def match(self, tokens: list[int], ns: str, public: int, limit: int | None) -> None:
+        match = self.cache.match_prefix(tokens, ns, max_num_tokens=limit, public_tokens=public)
         assert match.num_tokens == len(match.block_ids) * BS
         assert match.num_tokens <= (len(tokens) if limit is None else min(limit, len(tokens)))
         for i, block in enumerate(match.block_ids):
-            assert self.content[block] == (ns.encode(), tuple(tokens[: (i + 1) * BS]))
+            end = (i + 1) * BS
+            assert self.content[block] == (owner(ns, public, end), tuple(tokens[:end]))
         if match.block_ids:
             newest = max(n.last_access_time for n in self.cache.iter_nodes())
             assert all(n.last_access_time == newest for n in path_of(match.last_node))
-        peek = self.cache.prefix_len(tokens, ns, max_num_tokens=limit)
+        peek = self.cache.prefix_len(tokens, ns, max_num_tokens=limit, public_tokens=public)
         assert peek == match.num_tokens
 
     @precondition(lambda self: self.locks)
@@ -243,9 +265,9 @@ class CacheMachine(RuleBasedStateMachine):
     def unlock(self, i: int) -> None:
         self.cache.dec_lock_ref(self.locks.pop(i % len(self.locks)))
 
-    @rule(tokens=tokens, ns=namespaces)
-    def pin(self, tokens: list[int], ns: str) -> None:
-        self.pins.append(self.cache.pin(tokens, ns).last_node)
+    @rule(tokens=tokens, ns=namespaces, public=publics)
+    def pin(self, tokens: list[int], ns: str, public: int) -> None:
+        self.pins.append(self.cache.pin(tokens, ns, public_tokens=public).last_node)
 
     @precondition(lambda self: self.pins)
     @rule(i=st.integers(0, 100))
@@ -309,9 +331,18 @@ class CacheMachine(RuleBasedStateMachine):
     def nodes_hold_their_path(self) -> None:
         for node in self.cache.iter_nodes():
             path = path_of(node)[::-1]
-            assert all(n.namespace == node.namespace for n in path)  # no namespace crossing
+            # a path is shared blocks, then blocks of one namespace: never two tenants
+            private = [n.namespace for n in path if n.namespace]
+            assert len(set(private)) <= 1
+            assert all(n.namespace for n in path[len(path) - len(private) :])
             tokens = tuple(t for n in path for t in n.token_ids)
             assert self.content[node.block_id] == (node.namespace, tokens)
+
+
+def owner(ns: str, public_tokens: int, block_end: int) -> bytes:
+    """The namespace a block ending at token ``block_end`` must be cached in: the shared one
+    while the block lies inside the public run (an independent restatement of the rule)."""
+    return b"" if block_end <= public_tokens else ns.encode()
 
 
 class CollidingCacheMachine(CacheMachine):
