@@ -1,0 +1,324 @@
+"""Crash safety: `kill -9` the real server in the middle of an ingestion or a deletion, restart it
+on the same data dir, and check that the database and the FAISS index file still agree.
+
+The invariants, checked on the stopped server's files (the reference is the database itself):
+no document is left pending/processing; every ready document has chunk ordinals 0..n-1; a
+failed document has a reason and no chunks; the index holds exactly the ready chunk ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from app.db import make_engine
+from app.models import Chunk, Document
+from app.settings import Settings, packaged_embedder_path
+from retrieval.faiss_util import faiss
+from retrieval.vector_index import VectorIndex
+from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT
+from tests.app.live_server import free_port
+
+READY_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+SMALL_DOCS = {"lighthouse.txt": PLAIN_TEXT, "garden.md": MARKDOWN, "volcano.html": HTML}
+# Enough text for about a thousand 48-token chunks: embedding them takes seconds, not ms.
+BIG_DOC_PARAGRAPHS = 600
+WORDS = (
+    "river",
+    "stone",
+    "copper",
+    "lantern",
+    "orchard",
+    "harbor",
+    "meadow",
+    "signal",
+    "winter",
+    "falcon",
+    "granite",
+    "compass",
+    "ledger",
+    "thunder",
+    "velvet",
+    "prism",
+    "cedar",
+    "beacon",
+)
+
+
+class ServerProcess:
+    """`prefixrag serve` as a real subprocess on a free port, its log in `log_path`."""
+
+    def __init__(self, data_dir: Path, database_url: str, log_path: Path) -> None:
+        self.data_dir = data_dir
+        self.database_url = database_url
+        self.log_path = log_path
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> httpx.Client:
+        """Spawn the server and return a client once /readyz answers 200."""
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "PREFIXRAG_DATA_DIR": str(self.data_dir),
+            "PREFIXRAG_DATABASE_URL": self.database_url,
+            "PREFIXRAG_LOAD_LLM": "0",
+            "PREFIXRAG_EMBED_MODEL": packaged_embedder_path(),
+            "PREFIXRAG_RERANK_MODEL": str(self.data_dir / "no-such-cross-encoder"),
+            "PREFIXRAG_INDEX_USE_GPU": "no",
+            "PREFIXRAG_CHUNK_TOKENS": "48",
+            "PREFIXRAG_CHUNK_OVERLAP": "8",
+        }
+        command = [_prefixrag(), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+        self._wait_ready()
+        return httpx.Client(base_url=self.base, timeout=REQUEST_TIMEOUT_S)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook, no flush, no lifespan exit."""
+        proc = self._require()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+
+    def stop(self) -> None:
+        """A graceful stop (SIGTERM); escalates to SIGKILL if it hangs."""
+        proc = self._require()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
+
+    def log_tail(self) -> str:
+        """The last lines of the server log, for failure messages."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
+
+    def _require(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise RuntimeError("the server was never started")
+        return self._proc
+
+    def _wait_ready(self) -> None:
+        proc = self._require()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            # NOTE: polling the readiness endpoint, which is the contract, not hiding a race.
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server never became ready:\n{self.log_tail()}")
+
+
+def _prefixrag() -> str:
+    script = Path(sys.executable).parent / "prefixrag"
+    if not script.exists():
+        raise RuntimeError(f"the prefixrag console script is not installed beside {sys.executable}")
+    return str(script)
+
+
+@dataclass(slots=True)
+class StoreState:
+    """What the database and the index file hold once the server has stopped."""
+
+    statuses: dict[int, str]
+    errors: dict[int, str | None]
+    ordinals: dict[int, list[int]]
+    chunk_ids: dict[int, set[int]]
+    index_ids: set[int]
+
+    def ready_chunk_ids(self) -> set[int]:
+        """Chunk ids of every ready document."""
+        ready = (ids for doc, ids in self.chunk_ids.items() if self.statuses[doc] == "ready")
+        return set().union(*ready)
+
+
+def read_store(data_dir: Path, database_url: str) -> StoreState:
+    """Read documents, chunks and the saved FAISS index straight from disk."""
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            docs = conn.execute(select(Document.id, Document.status, Document.error)).all()
+            chunks = conn.execute(
+                select(Chunk.document_id, Chunk.id, Chunk.ordinal).order_by(Chunk.ordinal)
+            ).all()
+    finally:
+        engine.dispose()
+    state = StoreState(
+        statuses={d.id: d.status for d in docs},
+        errors={d.id: d.error for d in docs},
+        ordinals={d.id: [] for d in docs},
+        chunk_ids={d.id: set() for d in docs},
+        index_ids=saved_index_ids(Settings(data_dir=data_dir).index_path),
+    )
+    for document_id, chunk_id, ordinal in chunks:
+        state.ordinals[document_id].append(ordinal)
+        state.chunk_ids[document_id].add(chunk_id)
+    return state
+
+
+def saved_index_ids(path: Path) -> set[int]:
+    """The ids in the index file at `path` (empty when there is no file)."""
+    if not path.exists():
+        return set()
+    dim = faiss.read_index(str(path)).d
+    return {int(i) for i in VectorIndex.open(path, dim, use_gpu="no").ids()}
+
+
+def assert_consistent(store: StoreState) -> None:
+    """The crash-safety invariants that must hold after any restart."""
+    for doc, status in store.statuses.items():
+        assert status in ("ready", "failed"), f"document {doc} is still {status}"
+        if status == "ready":
+            assert store.ordinals[doc] == list(range(len(store.ordinals[doc])))
+            assert store.ordinals[doc], f"ready document {doc} has no chunks"
+        else:
+            assert store.errors[doc], f"failed document {doc} has no reason"
+            assert not store.chunk_ids[doc], f"failed document {doc} still holds chunks"
+    assert store.index_ids == store.ready_chunk_ids()
+
+
+def big_text(seed: int) -> str:
+    """A long plain-text document of distinct paragraphs (deterministic for a seed)."""
+    rng = random.Random(seed)
+    paragraphs = []
+    for i in range(BIG_DOC_PARAGRAPHS):
+        words = " ".join(rng.choice(WORDS) for _ in range(60))
+        paragraphs.append(f"Record {seed}-{i}: {words}.")
+    return "\n\n".join(paragraphs)
+
+
+def upload(client: httpx.Client, name: str, text: str, *, wait: bool) -> dict:
+    """POST one file; returns the response body (201 when waited for, else 202)."""
+    url = "/v1/documents?wait=true" if wait else "/v1/documents"
+    response = client.post(url, files={"file": (name, text.encode(), "application/octet-stream")})
+    assert response.status_code == (201 if wait else 202), response.text
+    body: dict = response.json()
+    return body
+
+
+def upload_small_docs(client: httpx.Client) -> dict[str, dict]:
+    """Ingest the small documents to completion; returns each one's body by file name."""
+    bodies = {}
+    for name, text in SMALL_DOCS.items():
+        body = upload(client, name, text, wait=True)
+        assert body["status"] == "ready", body
+        bodies[name] = body
+    return bodies
+
+
+def assert_earlier_docs_survived(client: httpx.Client, small: dict[str, dict]) -> None:
+    """Documents that were ready before the kill are ready, whole, and searchable."""
+    for body in small.values():
+        doc = client.get(f"/v1/documents/{body['id']}").json()
+        assert (doc["status"], doc["num_chunks"]) == ("ready", body["num_chunks"])
+    hits = client.post("/v1/search", json={"query": "aphids soapy water", "top_k": 3}).json()
+    assert hits["results"][0]["document_id"] == small["garden.md"]["id"]
+
+
+@pytest.fixture
+def server(tmp_path: Path, database_url: str) -> Iterator[ServerProcess]:
+    """A server process on a fresh data dir and database; stopped after the test."""
+    proc = ServerProcess(tmp_path / "data", database_url, tmp_path / "server.log")
+    yield proc
+    if proc._proc is not None:
+        proc.stop()
+
+
+def test_kill_during_ingestion_loses_nothing_that_was_ready(server: ServerProcess) -> None:
+    with server.start() as client:
+        small = upload_small_docs(client)
+        big_ids = [
+            upload(client, f"big{s}.txt", big_text(s), wait=False)["document_id"] for s in (1, 2, 3)
+        ]
+        seen = kill_when_processing(server, client, big_ids)
+    assert seen == "processing", f"no upload was caught processing (last seen: {seen})"
+    with server.start() as client:
+        assert_earlier_docs_survived(client, small)
+        for doc_id in big_ids:
+            doc = client.get(f"/v1/documents/{doc_id}").json()
+            assert doc["status"] in ("ready", "failed"), doc
+            assert doc["status"] == "ready" or doc["error"], doc
+    server.stop()
+    store = read_store(server.data_dir, server.database_url)
+    assert_consistent(store)
+
+
+def kill_when_processing(server: ServerProcess, client: httpx.Client, doc_ids: list[int]) -> str:
+    """Poll the documents tightly and SIGKILL the server on first sight of `processing`;
+    returns the status that triggered the kill ("ready"/"failed" if all finished first)."""
+    last = "pending"
+    while True:
+        statuses = [client.get(f"/v1/documents/{d}").json()["status"] for d in doc_ids]
+        if "processing" in statuses or all(s in ("ready", "failed") for s in statuses):
+            last = "processing" if "processing" in statuses else statuses[-1]
+            server.kill()
+            return last
+
+
+def test_kill_during_deletion_leaves_the_document_whole_or_gone(server: ServerProcess) -> None:
+    with server.start() as client:
+        small = upload_small_docs(client)
+        big = upload(client, "big.txt", big_text(7), wait=True)
+        assert big["status"] == "ready", big
+        before = read_store(server.data_dir, server.database_url)
+        deleting = threading.Thread(target=_delete_ignoring_the_kill, args=(server.base, big["id"]))
+        deleting.start()
+        kill_when_gone(server, client, big["id"], deleting)
+        deleting.join(timeout=REQUEST_TIMEOUT_S)
+    with server.start() as client:
+        assert_earlier_docs_survived(client, small)
+        response = client.get(f"/v1/documents/{big['id']}")
+        assert response.status_code in (200, 404)
+        if response.status_code == 200:
+            assert (response.json()["status"], response.json()["num_chunks"]) == (
+                "ready",
+                big["num_chunks"],
+            )
+    server.stop()
+    store = read_store(server.data_dir, server.database_url)
+    assert_consistent(store)
+    big_chunks = before.chunk_ids[big["id"]]
+    if big["id"] in store.statuses:
+        assert store.chunk_ids[big["id"]] == big_chunks <= store.index_ids
+    else:
+        assert not big_chunks & store.index_ids
+        assert not big_chunks & store.ready_chunk_ids()
+
+
+def _delete_ignoring_the_kill(base: str, document_id: int) -> None:
+    # the server is killed under the request: that is the point
+    with contextlib.suppress(httpx.TransportError):
+        httpx.delete(f"{base}/v1/documents/{document_id}", timeout=REQUEST_TIMEOUT_S)
+
+
+def kill_when_gone(
+    server: ServerProcess, client: httpx.Client, document_id: int, deleting: threading.Thread
+) -> None:
+    """SIGKILL the server the moment the document's row is gone (its vectors may not be yet),
+    or once the DELETE has answered without removing it."""
+    while client.get(f"/v1/documents/{document_id}").status_code != 404:
+        if not deleting.is_alive():
+            break
+    server.kill()
