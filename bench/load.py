@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench.load_corpus import Corpus
-from bench.load_report import by_kind, plot, rss_summary, summary_table
+from bench.load_report import by_kind, plot, print_summary, rss_summary
 from bench.load_requests import KINDS, LLM_KINDS, LOAD_COLLECTION, RequestMaker, Sample
 from bench.load_server import RssSampler, ServerProcess, wait_ready
 from bench.load_verify import verify_documents
@@ -239,23 +239,6 @@ def _has_server_errors(report: dict[str, Any] | None) -> bool:
     if report is None:
         return True
     return report["kinds"]["all"]["n_5xx"] > 0 or report["kinds"]["all"]["n_exception"] > 0
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    """The per-kind table, RSS per run, the document accounting and the goals."""
-    print(summary_table(report["kinds"]))
-    rss = report["rss"]
-    if rss["peak_mib"] is not None:
-        ends = ", ".join(f"{m:.0f}" for m in rss["end_mib_per_run"])
-        growth = ", ".join(f"{g:+.0f}" for g in rss["growth_after_first_mib"]) or "-"
-        print(f"RSS peak {rss['peak_mib']:.0f} MiB; after each run {ends} MiB; growth {growth}")
-    docs = report["documents"]
-    print(
-        f"uploads: {docs['num_accepted']} accepted, {docs['num_ready']} ready, "
-        f"{docs['num_failed']} failed, {docs['num_lost']} lost, {docs['num_half']} half "
-        f"(settled in {docs['settle_s']:.1f} s)"
-    )
-    print("goals: " + ", ".join(f"{k}={v}" for k, v in report["goals"].items()))
 
 
 def build_parser() -> argparse.ArgumentParser:

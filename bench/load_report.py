@@ -112,6 +112,23 @@ def summary_table(kinds: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def print_summary(report: dict[str, Any]) -> None:
+    """The per-kind table, RSS per run, the document accounting and the goals."""
+    print(summary_table(report["kinds"]))
+    rss = report["rss"]
+    if rss["peak_mib"] is not None:
+        ends = ", ".join(f"{m:.0f}" for m in rss["end_mib_per_run"])
+        growth = ", ".join(f"{g:+.0f}" for g in rss["growth_after_first_mib"]) or "-"
+        print(f"RSS peak {rss['peak_mib']:.0f} MiB; after each run {ends} MiB; growth {growth}")
+    docs = report["documents"]
+    print(
+        f"uploads: {docs['num_accepted']} accepted, {docs['num_ready']} ready, "
+        f"{docs['num_failed']} failed, {docs['num_lost']} lost, {docs['num_half']} half "
+        f"(settled in {docs['settle_s']:.1f} s)"
+    )
+    print("goals: " + ", ".join(f"{k}={v}" for k, v in report["goals"].items()))
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """Latency percentiles per kind (all runs) beside RSS over time, coloured by run."""
     import matplotlib
