@@ -8,6 +8,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_QUANTS = ("auto", "none", "int8")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -31,6 +32,8 @@ class EngineConfig:
     ``num_kv_blocks=None`` and ``kv_cache_gb=0`` let the model runner size the KV pool from
     memory (``gpu_memory_fraction`` of the device); ``max_model_len=None`` means the model's own
     limit. ``max_num_batched_tokens`` must cover one decode token for each of ``max_num_seqs``.
+    ``weight_quant``: ``int8`` stores the matmul weights as per-channel int8 (CPU only); ``auto``
+    picks int8 for float32 on CPU, ``none`` elsewhere; ``none`` keeps them in ``dtype``.
     """
 
     model: str
@@ -43,6 +46,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     dtype: str = "auto"
+    weight_quant: str = "auto"
     device: str = "auto"
     cache_dir: str | None = None
     max_model_len: int | None = None
@@ -64,6 +68,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("weight_quant", self.weight_quant, WEIGHT_QUANTS)
         _check_choice("device", self.device, DEVICES)
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):
             raise ValueError(f"cache_dir must be a path string or None, got {self.cache_dir!r}")

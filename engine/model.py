@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, FusedOps, RMSNormFn, RopeFn
 from engine.model_config import ModelConfig, RopeScaling
+from engine.quant import linear
 
 
 @dataclass(slots=True)
@@ -149,7 +150,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         # q: [T, Hq, D], k: [T, Hkv, D]; views into qkv, which a kernel rope rotates in place
         q, k = rope(
@@ -158,7 +159,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata)  # [T, Hq, D]
-        return F.linear(out.reshape(out.shape[0], -1), self.o_weight, self.o_bias)
+        return linear(out.reshape(out.shape[0], -1), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -171,8 +172,8 @@ class MLP(nn.Module):
         self.down_weight = _param(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class Block(nn.Module):
@@ -244,7 +245,7 @@ class LlamaModel(nn.Module):
         """Final norm and LM head on the chosen rows: [N, hidden] -> float32 [N, vocab]."""
         h, _ = self.norm(hidden)
         head = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(h, head).float()
+        return linear(h, head).float()
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Adopt Hugging Face-named weights (fusing q/k/v and gate/up); every one must be used.

@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention import SeqSpan, build_attention_metadata, make_backend
 from engine.model import ForwardContext, LlamaModel
 from engine.model_config import ModelConfig
+from engine.quant import quantize_model_, resolve_weight_quant
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
 
@@ -70,6 +71,8 @@ class ModelRunner:
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks`` or a byte
     budget ``kv_cache_bytes`` (default: 512 MiB on CPU, ``gpu_memory_fraction`` of free memory on
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
+    ``weight_quant`` (``none``, ``int8``, ``auto``; see :func:`engine.quant.resolve_weight_quant`)
+    stores the matmul weights as per-channel int8 after loading; the KV cache stays in ``dtype``.
     :meth:`from_config` builds one with random weights instead (benchmarks).
     """
 
@@ -82,6 +85,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
+        weight_quant: str = "none",
         backend: str = "auto",
         cache_dir: str | Path | None = None,
         max_model_len: int | None = None,
@@ -99,6 +103,7 @@ class ModelRunner:
             kv_cache_bytes=kv_cache_bytes,
             device=device,
             dtype=dtype,
+            weight_quant=weight_quant,
             backend=backend,
             max_model_len=max_model_len,
             gpu_memory_fraction=gpu_memory_fraction,
@@ -116,6 +121,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
+        weight_quant: str = "none",
         backend: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
@@ -134,6 +140,7 @@ class ModelRunner:
             kv_cache_bytes=kv_cache_bytes,
             device=device,
             dtype=dtype,
+            weight_quant=weight_quant,
             backend=backend,
             max_model_len=max_model_len,
             gpu_memory_fraction=gpu_memory_fraction,
@@ -151,6 +158,7 @@ class ModelRunner:
         kv_cache_bytes: int | None,
         device: str | torch.device,
         dtype: str | torch.dtype | None,
+        weight_quant: str,
         backend: str,
         max_model_len: int | None,
         gpu_memory_fraction: float,
@@ -162,6 +170,7 @@ class ModelRunner:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.weight_quant = resolve_weight_quant(weight_quant, self.device, self.dtype)
         self.block_size = block_size
         self.model_config: ModelConfig = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
@@ -192,7 +201,10 @@ class ModelRunner:
             _random_init_(model, self.device, self.dtype, seed)
         else:
             model.load_hf_weights(tensors)
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.weight_quant == "int8":
+            quantize_model_(model)
+        return model
 
     def _default_kv_budget(self, fraction: float) -> int:
         if self.device.type != "cuda":

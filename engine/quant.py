@@ -1,0 +1,125 @@
+"""Weight-only int8 quantization of the model's linear layers (CPU decode is bandwidth-bound).
+
+Each weight row (output channel) gets one symmetric scale, ``max|row| / 127``; the int8 matrix
+is a quarter of the fp32 bytes. The matmul runs ``torch._weight_int8pack_mm``, which takes
+bfloat16 activations and scales and returns bfloat16: on CPU its fp32 variant is not vectorized
+(slower than fp32 ``F.linear``), while the bf16 one reads the int8 weights 3-5x faster.
+So an int8 linear computes ``bf16(x) @ dequantize(w).T`` with float32 accumulation, rounded to
+bf16, and hands back the caller's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.model import LlamaModel
+
+WEIGHT_QUANTS = ("auto", "none", "int8")
+INT8_MAX = 127
+# NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
+# multiple of 16 (measured on AVX-512); other shapes take the dequantize-then-matmul path.
+_PACK_MM_K_MULTIPLE = 16
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (int8 [N, K], float32 scales [N]) with
+    ``|weight - q * scale| <= scale / 2`` element-wise. An all-zero row gets scale 1."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"expected a 2-D floating-point weight, got {weight.dim()}-D {weight.dtype}"
+        )
+    w = weight.float()
+    absmax = w.abs().amax(dim=1)
+    scales = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+    q = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from int8 [N, K] and scales [N]."""
+    return qweight.float() * scales.float()[:, None]
+
+
+class Int8Weight(nn.Module):
+    """An int8 weight matrix [N, K] with bfloat16 per-row scales, used as ``linear(x, self)``.
+
+    The bf16 scales are what the kernel multiplies by, so :meth:`dequantize` uses them too.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scales = quantize_per_channel(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix this weight stands for."""
+        return dequantize(self.qweight, self.scales)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T``: x [..., K] -> [..., N] in x's dtype (bf16 activations, see module doc)."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k).to(torch.bfloat16)
+        if x.device.type == "cpu" and k % _PACK_MM_K_MULTIPLE == 0 and x2.shape[0] > 0:
+            out = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
+        else:
+            out = (x2.float() @ self.dequantize().T).to(torch.bfloat16)
+        return out.to(x.dtype).reshape(*lead, -1)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` for a plain or an :class:`Int8Weight` matrix."""
+    if isinstance(weight, Int8Weight):
+        out = weight.matmul(x)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
+def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` is int8 for float32 models on CPU and none elsewhere; int8 needs CPU.
+
+    Raises ValueError for an unknown choice or int8 off the CPU.
+    """
+    if weight_quant not in WEIGHT_QUANTS:
+        raise ValueError(
+            f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}; got {weight_quant!r}"
+        )
+    if weight_quant == "auto":
+        return "int8" if device.type == "cpu" and dtype == torch.float32 else "none"
+    if weight_quant == "int8" and device.type != "cpu":
+        raise ValueError(f"int8 weight quantization runs on CPU only, not {device.type}")
+    return weight_quant
+
+
+def quantize_model_(model: LlamaModel) -> None:
+    """Replace the decoder's matmul weights (q/k/v, o, gate/up, down, LM head) with
+    :class:`Int8Weight`; norms, biases and the embedding lookup table stay as they are.
+
+    A tied LM head gets its own int8 copy: lookups read a few rows and keep full precision.
+    """
+    for layer in model.layers:
+        for owner, name in ((layer.attn, "qkv_weight"), (layer.attn, "o_weight")):
+            _swap(owner, name)
+        for name in ("gate_up_weight", "down_weight"):
+            _swap(layer.mlp, name)
+    if model.lm_head_weight is None:
+        model.lm_head_weight = Int8Weight(model.embed_weight.detach())
+    else:
+        _swap(model, "lm_head_weight")
+
+
+def _swap(module: nn.Module, name: str) -> None:
+    weight = getattr(module, name)
+    delattr(module, name)
+    setattr(module, name, Int8Weight(weight.detach()))
