@@ -1,5 +1,5 @@
-"""Keep the chunk indexes equal to the ready chunks: check FAISS at start and rebuild it on
-demand; build the BM25 index from the database at start."""
+"""Keep the chunk indexes equal to the ready chunks: repair FAISS at start (and rebuild it on
+demand); build the BM25 index from the database at start."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ class ReconcileReport:
     num_db_ids: int
     num_orphan_vectors: int
     num_missing_vectors: int
-    rebuilt: bool
+    repaired: bool
 
     @property
     def is_consistent(self) -> bool:
-        """True when the index held exactly the ready chunk ids before any rebuild."""
+        """True when the index held exactly the ready chunk ids before any repair."""
         return self.num_orphan_vectors == 0 and self.num_missing_vectors == 0
 
 
@@ -47,27 +47,53 @@ def ready_chunk_ids(session: Session) -> np.ndarray:
 def reconcile_index(
     sessions: sessionmaker[Session], index: VectorIndex, embedder: Embedder
 ) -> ReconcileReport:
-    """Rebuild the index from the DB if it does not hold exactly the ready chunk ids."""
+    """Make the index hold exactly the ready chunk ids, and save it if that changed anything.
+
+    Vectors no ready chunk owns (a crash between a delete's commit and its index save, or
+    between an ingest's index save and its commit) are removed; ready chunks without a vector
+    (an index file lost or unreadable) are embedded again. Vectors of the ids both sides hold
+    are kept: the database never reuses an id the index still holds, because this runs before
+    the ingest service starts.
+    """
     with sessions() as session:
         db_ids = ready_chunk_ids(session)
     index_ids = np.asarray(index.ids(), dtype=np.int64)
     orphans = np.setdiff1d(index_ids, db_ids)
     missing = np.setdiff1d(db_ids, index_ids)
-    report = ReconcileReport(len(db_ids), len(orphans), len(missing), rebuilt=False)
+    report = ReconcileReport(len(db_ids), len(orphans), len(missing), repaired=False)
     if report.is_consistent:
         logger.info("vector index is consistent with the database (%d vectors)", len(db_ids))
         return report
     logger.warning(
         "vector index out of sync with the database: %d vectors without a ready chunk "
-        "(e.g. %s), %d ready chunks without a vector (e.g. %s); rebuilding from the database",
+        "(e.g. %s), %d ready chunks without a vector (e.g. %s); repairing from the database",
         len(orphans),
         orphans[:5].tolist(),
         len(missing),
         missing[:5].tolist(),
     )
-    rebuild_index(sessions, index, embedder)
-    report.rebuilt = True
+    index.remove(orphans)
+    _embed_chunks(sessions, index, embedder, missing)
+    index.save()
+    report.repaired = True
     return report
+
+
+def _embed_chunks(
+    sessions: sessionmaker[Session],
+    index: VectorIndex,
+    embedder: Embedder,
+    chunk_ids: np.ndarray,
+    batch_size: int = 256,
+) -> None:
+    with sessions() as session:
+        for start in range(0, len(chunk_ids), batch_size):
+            wanted = [int(i) for i in chunk_ids[start : start + batch_size]]
+            rows = session.execute(
+                select(Chunk.id, Chunk.text).where(Chunk.id.in_(wanted)).order_by(Chunk.id)
+            ).all()
+            ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+            index.add(ids, embedder.encode([r[1] for r in rows]))
 
 
 def rebuild_index(
