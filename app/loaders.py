@@ -104,14 +104,17 @@ def make_retriever(
 
 
 def open_index(state: AppState) -> VectorIndex:
-    """The persisted index, or a new empty one if none exists or it cannot be read."""
-    from retrieval.vector_index import VectorIndex
+    """The persisted index, or a new empty one if none exists or it cannot be read; temp files
+    of saves that a crash cut short are deleted first."""
+    from retrieval.vector_index import VectorIndex, remove_partial_saves
 
     if state.embedder is None:
         raise NotReadyError("the embedder must load before the index")
     settings = state.settings
     path = settings.index_path
     path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in remove_partial_saves(path):
+        logger.warning("deleted %s, left by an index save that did not finish", leftover)
     dim = state.embedder.dim
     if path.exists():
         try:

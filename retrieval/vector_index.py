@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import tempfile
@@ -153,7 +154,7 @@ class VectorIndex:
             blob = faiss.serialize_index(self._index)
         directory = self.path.parent
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
+        fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(self.path), dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob.tobytes())
@@ -284,6 +285,22 @@ class VectorIndex:
         with self._lock:
             self._index = loaded
             self._gpu_index = None
+
+
+def remove_partial_saves(path: Path) -> list[Path]:
+    """Delete the temp files that saves killed before their rename left beside `path`; returns
+    them. Only for start-up: a save running in another process would lose its temp file."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    partial = sorted(path.parent.glob(f"{glob.escape(_temp_prefix(path))}*"))
+    for leftover in partial:
+        leftover.unlink(missing_ok=True)
+    return partial
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
 
 
 def _fsync_dir(directory: Path) -> None:
