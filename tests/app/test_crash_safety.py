@@ -21,22 +21,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from sqlalchemy import select
 
-from app.db import make_engine
+from app.db import make_engine, make_sessionmaker
 from app.models import Chunk, Document
+from app.services.index_sync import reconcile_index
 from app.settings import Settings, packaged_embedder_path
+from retrieval.embedder import Embedder
 from retrieval.faiss_util import faiss
-from retrieval.vector_index import VectorIndex
-from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT
+from retrieval.vector_index import VectorIndex, remove_partial_saves
+from tests.app.conftest import started
+from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids
+from tests.app.helpers import upload as upload_in_process
 from tests.app.live_server import free_port
 
 READY_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 SMALL_DOCS = {"lighthouse.txt": PLAIN_TEXT, "garden.md": MARKDOWN, "volcano.html": HTML}
-# Enough text for about a thousand 48-token chunks: embedding them takes seconds, not ms.
-BIG_DOC_PARAGRAPHS = 600
+# About 2 chunks of 48 tokens per paragraph: the queued uploads take seconds to chunk and embed,
+# the deleted one (ingested first) only a few.
+QUEUED_DOC_PARAGRAPHS = 300
+DELETED_DOC_PARAGRAPHS = 80
 WORDS = (
     "river",
     "stone",
@@ -147,6 +154,7 @@ class StoreState:
     ordinals: dict[int, list[int]]
     chunk_ids: dict[int, set[int]]
     index_ids: set[int]
+    partial_saves: list[Path]
 
     def ready_chunk_ids(self) -> set[int]:
         """Chunk ids of every ready document."""
@@ -156,6 +164,7 @@ class StoreState:
 
 def read_store(data_dir: Path, database_url: str) -> StoreState:
     """Read documents, chunks and the saved FAISS index straight from disk."""
+    index_path = Settings(data_dir=data_dir).index_path
     engine = make_engine(database_url)
     try:
         with engine.connect() as conn:
@@ -170,7 +179,8 @@ def read_store(data_dir: Path, database_url: str) -> StoreState:
         errors={d.id: d.error for d in docs},
         ordinals={d.id: [] for d in docs},
         chunk_ids={d.id: set() for d in docs},
-        index_ids=saved_index_ids(Settings(data_dir=data_dir).index_path),
+        index_ids=saved_index_ids(index_path),
+        partial_saves=sorted(index_path.parent.glob(".*")),
     )
     for document_id, chunk_id, ordinal in chunks:
         state.ordinals[document_id].append(ordinal)
@@ -197,13 +207,14 @@ def assert_consistent(store: StoreState) -> None:
             assert store.errors[doc], f"failed document {doc} has no reason"
             assert not store.chunk_ids[doc], f"failed document {doc} still holds chunks"
     assert store.index_ids == store.ready_chunk_ids()
+    assert store.partial_saves == [], "temp files of unfinished index saves were left behind"
 
 
-def big_text(seed: int) -> str:
+def big_text(seed: int, num_paragraphs: int) -> str:
     """A long plain-text document of distinct paragraphs (deterministic for a seed)."""
     rng = random.Random(seed)
     paragraphs = []
-    for i in range(BIG_DOC_PARAGRAPHS):
+    for i in range(num_paragraphs):
         words = " ".join(rng.choice(WORDS) for _ in range(60))
         paragraphs.append(f"Record {seed}-{i}: {words}.")
     return "\n\n".join(paragraphs)
@@ -246,11 +257,15 @@ def server(tmp_path: Path, database_url: str) -> Iterator[ServerProcess]:
         proc.stop()
 
 
+@pytest.mark.slow
 def test_kill_during_ingestion_loses_nothing_that_was_ready(server: ServerProcess) -> None:
     with server.start() as client:
         small = upload_small_docs(client)
         big_ids = [
-            upload(client, f"big{s}.txt", big_text(s), wait=False)["document_id"] for s in (1, 2, 3)
+            upload(client, f"big{s}.txt", big_text(s, QUEUED_DOC_PARAGRAPHS), wait=False)[
+                "document_id"
+            ]
+            for s in (1, 2, 3)
         ]
         seen = kill_when_processing(server, client, big_ids)
     assert seen == "processing", f"no upload was caught processing (last seen: {seen})"
@@ -277,10 +292,11 @@ def kill_when_processing(server: ServerProcess, client: httpx.Client, doc_ids: l
             return last
 
 
+@pytest.mark.slow
 def test_kill_during_deletion_leaves_the_document_whole_or_gone(server: ServerProcess) -> None:
     with server.start() as client:
         small = upload_small_docs(client)
-        big = upload(client, "big.txt", big_text(7), wait=True)
+        big = upload(client, "big.txt", big_text(7, DELETED_DOC_PARAGRAPHS), wait=True)
         assert big["status"] == "ready", big
         before = read_store(server.data_dir, server.database_url)
         deleting = threading.Thread(target=_delete_ignoring_the_kill, args=(server.base, big["id"]))
@@ -322,3 +338,54 @@ def kill_when_gone(
         if not deleting.is_alive():
             break
     server.kill()
+
+
+def test_reconcile_drops_orphans_and_embeds_only_what_is_missing(
+    settings: Settings, embedder: Embedder
+) -> None:
+    with started(settings, embedder) as client:
+        kept = upload_in_process(client, "a.txt", PLAIN_TEXT.encode()).json()
+        lost = upload_in_process(client, "b.md", MARKDOWN.encode()).json()
+        kept_ids = np.asarray(sorted(chunk_ids(client, kept["id"])), np.int64)
+        lost_ids = np.asarray(sorted(chunk_ids(client, lost["id"])), np.int64)
+    # The state a crash leaves: vectors of a deleted chunk, ready chunks without vectors.
+    index = VectorIndex.open(settings.index_path, embedder.dim, use_gpu="no")
+    index.remove(lost_ids)
+    index.add(np.asarray([10**9], np.int64), embedder.encode(["a chunk whose row is gone"]))
+    # A marker vector no embedding would produce shows that kept vectors are not re-embedded.
+    marker = np.zeros((1, embedder.dim), np.float32)
+    marker[0, 0] = 1.0
+    index.remove(kept_ids[:1])
+    index.add(kept_ids[:1], marker)
+    kept_vectors = index.reconstruct(kept_ids)
+    engine = make_engine(settings.resolved_database_url)
+    sessions = make_sessionmaker(engine)
+    try:
+        report = reconcile_index(sessions, index, embedder)
+        assert (report.num_orphan_vectors, report.num_missing_vectors) == (1, len(lost_ids))
+        assert report.repaired
+        saved = VectorIndex.open(settings.index_path, embedder.dim, use_gpu="no")
+        assert sorted(saved.ids().tolist()) == sorted([*kept_ids.tolist(), *lost_ids.tolist()])
+        with sessions() as session:
+            texts = [session.get(Chunk, int(i)).text for i in lost_ids]  # type: ignore[union-attr]
+        np.testing.assert_allclose(saved.reconstruct(lost_ids), embedder.encode(texts), atol=1e-5)
+        np.testing.assert_array_equal(saved.reconstruct(kept_ids), kept_vectors)
+        again = reconcile_index(sessions, saved, embedder)
+        assert again.is_consistent and not again.repaired
+    finally:
+        engine.dispose()
+
+
+def test_remove_partial_saves_deletes_only_the_index_temp_files(tmp_path: Path) -> None:
+    path = tmp_path / "index" / "chunks.faiss"
+    index = VectorIndex(4, path=path, use_gpu="no")
+    index.add(np.asarray([3, 5], np.int64), np.eye(4, dtype=np.float32)[:2])
+    index.save()
+    leftovers = [path.parent / ".chunks.faiss.k1ll3d", path.parent / ".chunks.faiss.x9"]
+    others = [path.parent / ".other.faiss.k1ll3d", path.parent / "chunks.faiss.bak"]
+    for extra in leftovers + others:
+        extra.write_bytes(b"partial")
+    assert remove_partial_saves(path) == sorted(leftovers)
+    assert sorted(path.parent.iterdir()) == sorted([path, *others])
+    assert sorted(VectorIndex.open(path, 4, use_gpu="no").ids().tolist()) == [3, 5]
+    assert remove_partial_saves(tmp_path / "nowhere" / "chunks.faiss") == []
