@@ -254,8 +254,8 @@ def sdpa_gqa(
 
 @dataclass(slots=True)
 class _TorchPlan:
-    decode_slots: torch.Tensor | None  # int64 [Bd, L]: slot of each position, padded with slot 0
-    decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, L]; None when no sequence is padded
+    decode_blocks: torch.Tensor | None  # int64 [Bd, max_blocks]: block table, padded with block 0
+    decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, max_blocks * bs]; None when none is padded
     extends: list[
         tuple[int, int, torch.Tensor | None, torch.Tensor | None]
     ]  # start, end, slots, mask
@@ -289,8 +289,8 @@ class TorchAttention:
         plan: _TorchPlan = meta.plan
         num_decode = meta.num_decode_tokens
         out = torch.empty_like(q)
-        if plan.decode_slots is not None:
-            out[:num_decode] = _decode(q[:num_decode], k_flat, v_flat, plan, meta.scale)
+        if plan.decode_blocks is not None:
+            out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, plan, meta.scale)
         for start, end, slots, mask in plan.extends:
             # [T, H, D] -> [1, H, T, D]
             q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
@@ -311,17 +311,19 @@ class TorchAttention:
 
 
 def _decode(
-    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _TorchPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan, scale: float
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_flat.shape[1]
+    num_kv_heads = k_cache.shape[2]
     # One new query per sequence: fold each KV head's query group into the query-length axis,
     # so plain SDPA does GQA without repeating K/V. q: [B, Hkv, group, D]; k, v: [B, Hkv, L, D].
     q_g = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    # index_select, not k_flat[slots]: advanced indexing is orders of magnitude slower on CPU.
-    slots = plan.decode_slots.view(-1)
-    k_seq = k_flat.index_select(0, slots).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v_seq = v_flat.index_select(0, slots).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # Gather whole blocks (one contiguous copy each), not single slots: a block-sized index list
+    # is ~block_size times shorter. index_select, not k_cache[blocks]: advanced indexing is
+    # orders of magnitude slower on CPU. Positions past a sequence's length are masked.
+    blocks = plan.decode_blocks.view(-1)
+    k_seq = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v_seq = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q_g, k_seq, v_seq, attn_mask=plan.decode_mask, scale=scale)
     return o.reshape(batch, num_heads, head_dim)
 
@@ -335,14 +337,15 @@ def _slots_for(block_table: torch.Tensor, num_tokens: int, block_size: int) -> t
 
 def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
     device = meta.slot_mapping.device
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if meta.num_decode_tokens:
         lens = meta.decode_seq_lens_host
-        longest = max(lens)
-        decode_slots = _slots_for(meta.decode_block_tables, longest, block_size)
-        if min(lens) != longest:
-            pos = torch.arange(longest, device=device)
-            decode_mask = (pos < meta.decode_seq_lens.unsqueeze(1)).view(len(lens), 1, 1, longest)
+        num_blocks = -(-max(lens) // block_size)
+        decode_blocks = meta.decode_block_tables[:, :num_blocks].long().clamp_min(0)
+        width = num_blocks * block_size
+        if min(lens) != width:
+            pos = torch.arange(width, device=device)
+            decode_mask = (pos < meta.decode_seq_lens.unsqueeze(1)).view(len(lens), 1, 1, width)
     extends = []
     start = meta.num_decode_tokens
     for b, (prefix, n) in enumerate(
@@ -355,4 +358,4 @@ def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
             mask = torch.arange(prefix + n, device=device) <= q_pos.unsqueeze(1)  # [n, L]
         extends.append((start, start + n, slots, mask))
         start += n
-    return _TorchPlan(decode_slots, decode_mask, extends)
+    return _TorchPlan(decode_blocks, decode_mask, extends)
