@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -30,6 +31,11 @@ def register_ask(subparsers: Any) -> None:
     )
     parser.add_argument("--url", default=None, help="default: http://PREFIXRAG_HOST:PREFIXRAG_PORT")
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PREFIXRAG_API_KEY"),
+        help="sent as a Bearer token (default: $PREFIXRAG_API_KEY)",
+    )
     parser.set_defaults(handler=_ask)
 
 
@@ -43,20 +49,25 @@ def _ask(args: argparse.Namespace, settings: Settings) -> int:
     if args.max_tokens is not None:
         body["max_tokens"] = args.max_tokens
     try:
-        ask(url, body, sys.stdout)
+        ask(url, body, sys.stdout, api_key=args.api_key)
     except AskError as exc:
         print(f"prefixrag ask: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def ask(url: str, body: dict[str, Any], out: TextIO) -> dict[str, Any]:
+def ask(
+    url: str, body: dict[str, Any], out: TextIO, *, api_key: str | None = None
+) -> dict[str, Any]:
     """POST `body` to `url`/v1/query, print deltas to `out` as they arrive, then the sources;
     returns the `done` event's payload. Raises AskError on any failure."""
     endpoint = url.rstrip("/") + "/v1/query"
+    headers = {} if not api_key else {"Authorization": f"Bearer {api_key}"}
     citations: list[dict[str, Any]] = []
     try:
-        with httpx.stream("POST", endpoint, json=body, timeout=DEFAULT_TIMEOUT_S) as response:
+        with httpx.stream(
+            "POST", endpoint, json=body, headers=headers, timeout=DEFAULT_TIMEOUT_S
+        ) as response:
             if response.status_code != 200:
                 response.read()
                 raise AskError(f"the server answered {response.status_code}: {_detail(response)}")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.ask_cli import register_ask
+from app.keys_cli import register_keys
 from app.settings import Settings, get_settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -77,6 +78,9 @@ def register_ingest(subparsers: Subparsers) -> None:
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--collection", default="default")
     parser.add_argument("--title", default=None, help="title for every file (default: its own)")
+    parser.add_argument(
+        "--tenant", default="default", help="the API key name that owns them (default: default)"
+    )
     parser.set_defaults(handler=_ingest)
 
 
@@ -87,7 +91,9 @@ def _ingest(args: argparse.Namespace, settings: Settings) -> int:
     if not files:
         print("no ingestible files found")
         return 1
-    report = ingest_files(settings, files, collection=args.collection, title=args.title)
+    report = ingest_files(
+        settings, files, collection=args.collection, title=args.title, tenant=args.tenant
+    )
     print(report.summary())
     return 1 if report.num_failed else 0
 
@@ -134,6 +140,7 @@ COMMANDS: tuple[Registrar, ...] = (
     register_ingest,
     register_index,
     register_ask,
+    register_keys,
 )
 
 

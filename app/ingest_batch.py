@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app.models import DEFAULT_TENANT
 from app.services.errors import DuplicateDocumentError, ServiceError
 from app.services.ingest import IngestRequest, IngestService
 from app.settings import Settings
@@ -40,7 +41,12 @@ class BatchReport:
 
 
 def ingest_files(
-    settings: Settings, files: Sequence[Path], *, collection: str, title: str | None = None
+    settings: Settings,
+    files: Sequence[Path],
+    *,
+    collection: str,
+    title: str | None = None,
+    tenant: str = DEFAULT_TENANT,
 ) -> BatchReport:
     """Load what ingestion needs (db, embedder, index) and ingest `files` one after another."""
     state = AppState(settings)
@@ -51,18 +57,27 @@ def ingest_files(
             raise ServiceError("the ingest service did not start")
         report = BatchReport()
         for path in tqdm(files, desc="ingest", unit="file"):
-            _ingest_one(state.ingest, path, collection, title, report)
+            _ingest_one(state.ingest, path, collection, title, report, tenant)
         return report
     finally:
         state.close()
 
 
 def _ingest_one(
-    ingest: IngestService, path: Path, collection: str, title: str | None, report: BatchReport
+    ingest: IngestService,
+    path: Path,
+    collection: str,
+    title: str | None,
+    report: BatchReport,
+    tenant: str,
 ) -> None:
     try:
         request = IngestRequest(
-            data=path.read_bytes(), filename=path.name, title=title, collection=collection
+            data=path.read_bytes(),
+            filename=path.name,
+            title=title,
+            collection=collection,
+            tenant=tenant,
         )
         ticket = ingest.submit(request)
     except DuplicateDocumentError as exc:

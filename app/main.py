@@ -7,13 +7,21 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from app.auth import get_tenant
+from app.limits import install_body_limit
 from app.metrics import install_metrics
+from app.openai_schemas import error_body
 from app.routes import documents, health, metrics, openai, query, search, web
 from app.routes.rag_chat import register_rag_model
-from app.services.errors import DuplicateDocumentError, ServiceError
+from app.services.errors import (
+    AuthenticationError,
+    DuplicateDocumentError,
+    QueueFullError,
+    ServiceError,
+)
 from app.settings import Settings, get_settings
 from app.state import AppState, ComponentLoader
 
@@ -23,16 +31,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Routers every app serves; another feature adds its router here.
+# Routers every app serves behind an API key (when keys are on); a feature adds its own here.
 ROUTERS: tuple[APIRouter, ...] = (
-    health.router,
     documents.router,
     search.router,
     openai.router,
     query.router,
     metrics.router,
-    web.router,
 )
+# Routers open to all: probes, and the page shell, which holds no data (its API calls need a key).
+PUBLIC_ROUTERS: tuple[APIRouter, ...] = (health.router, web.router)
 
 
 def create_app(
@@ -71,15 +79,26 @@ def create_app(
     app.add_exception_handler(ServiceError, _service_error)
     openai.install_error_handlers(app)
     install_metrics(app, state)
+    install_body_limit(app, state.settings)
     register_rag_model()
-    for router in (*ROUTERS, *extra_routers):
+    for router in PUBLIC_ROUTERS:
         app.include_router(router)
+    for router in (*ROUTERS, *extra_routers):
+        app.include_router(router, dependencies=[Depends(get_tenant)])
     return app
 
 
-async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+async def _service_error(request: Request, exc: Exception) -> JSONResponse:
     status = getattr(exc, "status_code", 400)
+    headers: dict[str, str] = {}
+    if isinstance(exc, AuthenticationError):
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, QueueFullError):
+        headers["Retry-After"] = str(exc.retry_after)
+    if request.url.path in openai.OPENAI_PATHS:
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc), type_=kind), status, headers=headers)
     body: dict[str, object] = {"detail": str(exc)}
     if isinstance(exc, DuplicateDocumentError):
         body["document_id"] = exc.document_id
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)

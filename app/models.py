@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 ORM models: collections, documents and their chunks.
+"""SQLAlchemy 2 ORM models: API keys, collections, documents and their chunks.
 
 A chunk's primary key is also its FAISS vector id, so it must be a 64-bit integer everywhere.
 """
@@ -20,6 +20,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+# The tenant of requests without a key, while the service runs without authentication.
+DEFAULT_TENANT = "default"
+
 DocumentStatus = Literal["pending", "processing", "ready", "failed"]
 DOCUMENT_STATUSES: tuple[str, ...] = ("pending", "processing", "ready", "failed")
 
@@ -36,13 +39,33 @@ class Base(DeclarativeBase):
     """Declarative base whose metadata Alembic migrates."""
 
 
-class Collection(Base):
-    """A named group of documents; searches can be limited to one."""
+class ApiKey(Base):
+    """One API key. Only its SHA-256 is stored; the key itself is shown once, at creation.
 
-    __tablename__ = "collections"
-    __table_args__ = (UniqueConstraint("name", name="uq_collections_name"),)
+    Each key is a tenant: `tenant` (its name at creation) owns collections, and a new key made
+    with the same name after a revoke takes that tenant's data over (key rotation).
+    """
+
+    __tablename__ = "api_keys"
+    __table_args__ = (UniqueConstraint("key_hash", name="uq_api_keys_hash"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    tenant: Mapped[str] = mapped_column(String(200), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Collection(Base):
+    """A named group of one tenant's documents; searches can be limited to one."""
+
+    __tablename__ = "collections"
+    __table_args__ = (UniqueConstraint("tenant", "name", name="uq_collections_tenant_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(200), server_default=DEFAULT_TENANT)
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -81,7 +81,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     require_auth: bool = False
+    # generation requests waiting for or in the engine; past this, 429 with Retry-After
     max_queued_requests: int = Field(256, ge=1)
+    # body limit of every route but uploads (those have max_upload_bytes)
+    max_request_bytes: int = Field(1024 * 1024, ge=1024)
 
     @field_validator("chunk_overlap")
     @classmethod

@@ -10,6 +10,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from app.auth import TenantDep
 from app.deps import IngestDep, SessionDep, StateDep
 from app.schemas import DocumentAccepted, DocumentOut, DocumentPage
 from app.services.documents import get_document, list_documents
@@ -47,45 +48,47 @@ _UPLOAD_DOC = {
     openapi_extra=_UPLOAD_DOC,
 )
 async def create_document(
-    request: Request, state: StateDep, ingest: IngestDep, wait: bool = False
+    request: Request, state: StateDep, ingest: IngestDep, tenant: TenantDep, wait: bool = False
 ) -> JSONResponse:
     """Queue a document (202), or with `?wait=true` ingest it and return it (201)."""
     upload = await read_ingest_request(request, state.settings.max_upload_bytes)
+    upload.tenant = tenant
     ticket = await run_in_threadpool(ingest.submit, upload)
     if not wait:
         accepted = DocumentAccepted(document_id=ticket.document_id, status="pending")
         return JSONResponse(accepted.model_dump(), status_code=202)
     await asyncio.wrap_future(ticket.future)
-    document = await run_in_threadpool(_load, state, ticket.document_id)
+    document = await run_in_threadpool(_load, state, ticket.document_id, tenant)
     return JSONResponse(jsonable_encoder(document), status_code=201)
 
 
 @router.get("", response_model=DocumentPage)
 def list_all(
     session: SessionDep,
+    tenant: TenantDep,
     collection: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> DocumentPage:
     """Documents in upload order, a page at a time, optionally from one collection."""
-    return list_documents(session, collection=collection, limit=limit, offset=offset)
+    return list_documents(session, tenant=tenant, collection=collection, limit=limit, offset=offset)
 
 
 @router.get("/{document_id}", response_model=DocumentOut)
-def get_one(document_id: int, session: SessionDep) -> DocumentOut:
+def get_one(document_id: int, session: SessionDep, tenant: TenantDep) -> DocumentOut:
     """One document with its status, chunk count and error."""
-    return get_document(session, document_id)
+    return get_document(session, document_id, tenant)
 
 
 @router.delete("/{document_id}", status_code=204)
-def delete_one(document_id: int, ingest: IngestDep) -> Response:
+def delete_one(document_id: int, ingest: IngestDep, tenant: TenantDep) -> Response:
     """Delete a document with its chunks and vectors."""
-    ingest.delete(document_id)
+    ingest.delete(document_id, tenant)
     return Response(status_code=204)
 
 
-def _load(state: StateDep, document_id: int) -> DocumentOut:
+def _load(state: StateDep, document_id: int, tenant: str) -> DocumentOut:
     if state.sessions is None:
         raise NotReadyError("database is not ready")
     with state.sessions() as session:
-        return get_document(session, document_id)
+        return get_document(session, document_id, tenant)

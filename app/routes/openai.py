@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.auth import TenantDep
 from app.deps import StateDep
 from app.openai_schemas import (
     ChatCompletionRequest,
@@ -69,18 +70,22 @@ def list_models(state: StateDep) -> dict[str, Any]:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request, llm: LLMDep) -> Any:
+async def completions(
+    body: CompletionRequest, request: Request, llm: LLMDep, tenant: TenantDep
+) -> Any:
     _check_model(body.model, llm)
     prompt_ids = body.prompt if isinstance(body.prompt, list) else llm.encode(body.prompt)
     if isinstance(body.prompt, list) and max(body.prompt) >= llm.engine.tokenizer.vocab_size:
         raise OpenAIError("prompt contains token ids outside the vocabulary", param="prompt")
     params = _sampling_params(body, llm, len(prompt_ids), body.max_tokens)
     shape = _CompletionShape(llm.model_id)
-    return await _respond(request, body, llm, prompt_ids, params, shape)
+    return await _respond(request, body, llm, prompt_ids, params, shape, tenant)
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Any:
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
+) -> Any:
     if body.model in EXTRA_CHAT_MODELS:
         return await EXTRA_CHAT_MODELS[body.model](request, body)
     llm = get_llm(state)
@@ -89,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     prompt_ids = llm.encode(llm.chat_prompt(messages))
     params = _sampling_params(body, llm, len(prompt_ids), body.wanted_max_tokens())
     shape = ChatShape(llm.model_id)
-    return await _respond(request, body, llm, prompt_ids, params, shape)
+    return await _respond(request, body, llm, prompt_ids, params, shape, tenant)
 
 
 def _check_model(name: str, llm: LLMService) -> None:
@@ -125,8 +130,10 @@ async def _respond(
     prompt_ids: list[int],
     params: SamplingParams,
     shape: _Shape,
+    tenant: str,
 ) -> Any:
-    stream = llm.generate(prompt_ids, params)
+    # a raw prompt has no public part: all of it is cached under the tenant's own salt
+    stream = llm.generate(prompt_ids, params, namespace=tenant)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.auth import TenantDep
 from app.deps import StateDep
 from app.qa_schemas import QueryIn, QueryOut
 from app.routes.openai import collect_until_disconnect
@@ -31,9 +32,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/query", response_model=QueryOut)
-async def query(body: QueryIn, request: Request, state: StateDep) -> Any:
+async def query(body: QueryIn, request: Request, state: StateDep, tenant: TenantDep) -> Any:
     """Retrieve, build the prompt and answer; `stream: true` answers with SSE events."""
-    prepared = await qa.prepare_answer(state, body)
+    prepared = await qa.prepare_answer(state, body, tenant)
     stream = qa.answer_stream(state, prepared)
     if body.stream:
         events = query_events(state, prepared, stream)

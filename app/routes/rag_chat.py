@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from app.auth import request_tenant
 from app.openai_schemas import ChatCompletionRequest, error_body
 from app.qa_schemas import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
 from app.routes import openai
@@ -45,7 +46,7 @@ def register_rag_model() -> None:
 async def rag_chat_completion(request: Request, body: ChatCompletionRequest) -> Any:
     """Answer the last user message from the documents, in OpenAI's chat shape."""
     state: AppState = request.app.state.prefixrag
-    prepared = await _prepare(state, body)
+    prepared = await _prepare(state, body, request_tenant(request))
     cited = qa.citations(prepared)
     shape = openai.ChatShape(RAG_MODEL)
     stream = qa.answer_stream(state, prepared)
@@ -74,11 +75,11 @@ def sources_block(cited: list[CitationOut]) -> str:
     return SOURCES_MARK + "\n".join(lines)
 
 
-async def _prepare(state: AppState, body: ChatCompletionRequest) -> qa.PreparedAnswer:
+async def _prepare(state: AppState, body: ChatCompletionRequest, tenant: str) -> qa.PreparedAnswer:
     question, pairs = conversation(body)
     try:
         questions = [q for q, _ in pairs]
-        chunk_ids = await qa.recover_chunk_ids(state, questions)
+        chunk_ids = await qa.recover_chunk_ids(state, questions, tenant)
         history = [
             TurnIn(question=q, answer=a, chunk_ids=ids)
             for (q, a), ids in zip(pairs, chunk_ids, strict=True)
@@ -93,7 +94,7 @@ async def _prepare(state: AppState, body: ChatCompletionRequest) -> qa.PreparedA
             temperature=body.temperature,
             history=history,
         )
-        return await qa.prepare_answer(state, query)
+        return await qa.prepare_answer(state, query, tenant)
     except ValidationError as exc:
         raise openai.OpenAIError(str(exc), 422, "messages") from exc
     except ServiceError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from app.auth import TenantDep
 from app.deps import RetrieverDep, StateDep
 from app.schemas import SearchIn, SearchOut
 from app.services.errors import NotReadyError
@@ -13,8 +14,10 @@ router = APIRouter(prefix="/v1", tags=["search"])
 
 
 @router.post("/search", response_model=SearchOut)
-def search_chunks(body: SearchIn, state: StateDep, retriever: RetrieverDep) -> SearchOut:
+def search_chunks(
+    body: SearchIn, state: StateDep, retriever: RetrieverDep, tenant: TenantDep
+) -> SearchOut:
     """The best `top_k` chunks for the query, filtered inside the index search."""
     if state.sessions is None:
         raise NotReadyError("database is not ready")
-    return search(state.sessions, retriever, body)
+    return search(state.sessions, retriever, body, tenant)

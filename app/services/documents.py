@@ -12,25 +12,37 @@ from app.schemas import DocumentOut, DocumentPage
 from app.services.errors import DocumentNotFoundError
 
 
-def get_document(session: Session, document_id: int) -> DocumentOut:
-    """The document with `document_id`, or DocumentNotFoundError."""
-    row = session.execute(_with_counts().where(Document.id == document_id)).first()
+def get_document(session: Session, document_id: int, tenant: str | None = None) -> DocumentOut:
+    """The document with `document_id` (of `tenant`, when given), or DocumentNotFoundError."""
+    query = _with_counts().where(Document.id == document_id)
+    if tenant is not None:
+        query = query.join(Collection).where(Collection.tenant == tenant)
+    row = session.execute(query).first()
     if row is None:
         raise DocumentNotFoundError(document_id)
     return _view(row[0], row[1])
 
 
 def list_documents(
-    session: Session, *, collection: str | None = None, limit: int = 20, offset: int = 0
+    session: Session,
+    *,
+    tenant: str | None = None,
+    collection: str | None = None,
+    limit: int = 20,
+    offset: int = 0,
 ) -> DocumentPage:
-    """One page of documents in id order, optionally only those of `collection`."""
+    """One page of documents in id order, of `tenant` (all tenants when None), optionally only
+    those of `collection`."""
     if limit < 1 or offset < 0:
         raise ValueError("limit must be positive and offset non-negative")
-    query = _with_counts()
-    total_query = select(func.count(Document.id))
+    query = _with_counts().join(Collection)
+    total_query = select(func.count(Document.id)).join(Collection)
+    if tenant is not None:
+        query = query.where(Collection.tenant == tenant)
+        total_query = total_query.where(Collection.tenant == tenant)
     if collection is not None:
-        query = query.join(Collection).where(Collection.name == collection)
-        total_query = total_query.join(Collection).where(Collection.name == collection)
+        query = query.where(Collection.name == collection)
+        total_query = total_query.where(Collection.name == collection)
     rows = session.execute(query.order_by(Document.id).limit(limit).offset(offset)).all()
     total = session.scalar(total_query) or 0
     items = [_view(doc, num_chunks) for doc, num_chunks in rows]

@@ -56,10 +56,20 @@ class DocumentBusyError(ServiceError):
     status_code = 409
 
 
-class QueueFullError(ServiceError):
-    """The ingest queue is full; the client should retry later."""
+class AuthenticationError(ServiceError):
+    """The request carries no API key, or one that is unknown or revoked."""
 
-    status_code = 503
+    status_code = 401
+
+
+class QueueFullError(ServiceError):
+    """Too much work is queued (ingestion or generation); retry after `retry_after` seconds."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class NotReadyError(ServiceError):

@@ -19,7 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Chunk, Document
+from app.models import DEFAULT_TENANT, Chunk, Document
 from app.services.collections import get_or_create_collection
 from app.services.errors import (
     DocumentBusyError,
@@ -62,6 +62,7 @@ class IngestRequest:
     title: str | None = None
     collection: str = "default"
     metadata: dict[str, Any] = field(default_factory=dict)
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         if not isinstance(self.metadata, dict):
@@ -152,11 +153,12 @@ class IngestService:
         _, not_done = wait(pending, timeout=timeout)
         return not not_done
 
-    def delete(self, document_id: int) -> None:
-        """Remove a document, its chunk rows and their vectors; the index is saved after."""
+    def delete(self, document_id: int, tenant: str | None = None) -> None:
+        """Remove a document, its chunk rows and their vectors; the index is saved after.
+        With `tenant`, another tenant's document is not found."""
         with self._sessions() as session:
             doc = session.get(Document, document_id)
-            if doc is None:
+            if doc is None or (tenant is not None and doc.collection.tenant != tenant):
                 raise DocumentNotFoundError(document_id)
             if doc.status in ("pending", "processing"):
                 raise DocumentBusyError(f"document {document_id} is still being ingested")
@@ -180,7 +182,7 @@ class IngestService:
 
     def _insert_pending(self, request: IngestRequest, parsed: ParsedDocument) -> int:
         sha = hashlib.sha256(request.data).hexdigest()
-        collection_id = get_or_create_collection(self._sessions, request.collection)
+        collection_id = get_or_create_collection(self._sessions, request.collection, request.tenant)
         with self._sessions() as session:
             existing = _find_by_content(session, collection_id, sha)
             if existing is not None and existing.status != "failed":

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.services.errors import InvalidInputError, ServiceError
+from app.services.errors import InvalidInputError, QueueFullError, ServiceError
 from app.settings import Settings
 from engine.config import EngineConfig
 from engine.outputs import GenerationDelta, GenerationResult
@@ -62,6 +62,8 @@ class LLMService:
         self.engine = engine
         self.model_id = model_id
         self.settings = settings
+        # generations started and not yet finished; touched only on the event loop's thread
+        self.num_active = 0
 
     @property
     def max_model_len(self) -> int:
@@ -98,9 +100,40 @@ class LLMService:
         return requested
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, namespace: bytes = b""
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        namespace: str = "",
+        public_prefix_tokens: int = 0,
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
-        return self.engine.generate(prompt_ids, params, namespace=namespace)
+        """The engine's stream for this prompt, its cache scoped to `namespace` (the tenant)
+        past its first `public_prefix_tokens` tokens. QueueFullError (429) when
+        `max_queued_requests` generations are already waiting or running."""
+        limit = self.settings.max_queued_requests
+        if self.num_active >= limit:
+            # one engine batch of max_num_seqs drains at a time: wait about one per batch ahead
+            batches_ahead = self.num_active // max(1, self.settings.max_num_seqs)
+            raise QueueFullError(
+                f"{self.num_active} generations are queued (the limit is {limit}); retry later",
+                retry_after=1 + batches_ahead,
+            )
+        stream = self.engine.generate(
+            prompt_ids, params, namespace=namespace, public_prefix_tokens=public_prefix_tokens
+        )
+        return self._counted(stream)
+
+    async def _counted(
+        self, stream: AsyncIterator[GenerationDelta | GenerationResult]
+    ) -> AsyncIterator[GenerationDelta | GenerationResult]:
+        # Counted from the first read, so a stream that is never read cannot leak a slot.
+        self.num_active += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self.num_active -= 1
+            await stream.aclose()  # type: ignore[attr-defined]
 
 
 def load_llm(state: AppState) -> str | None:

@@ -48,9 +48,10 @@ class PreparedAnswer:
     params: SamplingParams
     retrieval_ms: dict[str, float]
     started: float  # time.perf_counter() when the request arrived
+    tenant: str
 
 
-async def prepare_answer(state: AppState, query: QueryIn) -> PreparedAnswer:
+async def prepare_answer(state: AppState, query: QueryIn, tenant: str) -> PreparedAnswer:
     """Check limits, retrieve the top_k sources and build the prompt (dropping the lowest-ranked
     sources if it would not fit next to max_tokens). Raises ServiceError subclasses."""
     started = time.perf_counter()
@@ -69,20 +70,20 @@ async def prepare_answer(state: AppState, query: QueryIn) -> PreparedAnswer:
         )
     llm, builder = _require_pipeline(state)
     params = SamplingParams(max_tokens=max_tokens, temperature=query.temperature)
-    history = await run_in_threadpool(history_turns, state, query)
-    hits, timings = await run_in_threadpool(_retrieve, state, query)
+    history = await run_in_threadpool(history_turns, state, query, tenant)
+    hits, timings = await run_in_threadpool(_retrieve, state, query, tenant)
     if state.metrics is not None:
         state.metrics.observe_retrieval(timings)
     room = llm.max_model_len - max_tokens
     ranked = [to_source(h) for h in hits]
     prompt = builder.build(query.question, ranked, max_prompt_tokens=room, history=history)
-    return PreparedAnswer(prompt, params, timings, started)
+    return PreparedAnswer(prompt, params, timings, started, tenant)
 
 
-def history_turns(state: AppState, query: QueryIn) -> list[Turn]:
+def history_turns(state: AppState, query: QueryIn, tenant: str) -> list[Turn]:
     """The earlier turns with their chunks read again from the DB, in the order each turn
-    listed them. Raises HistoryChunkNotFoundError (404) for a chunk that is gone and
-    InvalidInputError (422) for one outside the query's collection or documents."""
+    listed them. Raises HistoryChunkNotFoundError (404) for a chunk that is gone or another
+    tenant's, and InvalidInputError (422) for one outside the query's collection or documents."""
     if not query.history:
         return []
     if state.sessions is None:
@@ -93,7 +94,7 @@ def history_turns(state: AppState, query: QueryIn) -> list[Turn]:
             select(Chunk, Document.title, Document.status, Collection.name)
             .join(Document, Chunk.document_id == Document.id)
             .join(Collection, Document.collection_id == Collection.id)
-            .where(Chunk.id.in_(wanted))
+            .where(Chunk.id.in_(wanted), Collection.tenant == tenant)
         ).all()
     found = {chunk.id: (chunk, title, status, name) for chunk, title, status, name in rows}
     return [_turn(i, turn, found, query) for i, turn in enumerate(query.history)]
@@ -136,7 +137,7 @@ def _chunk_source(chunk: Chunk, title: str) -> Source:
     )
 
 
-async def recover_chunk_ids(state: AppState, questions: list[str]) -> list[list[int]]:
+async def recover_chunk_ids(state: AppState, questions: list[str], tenant: str) -> list[list[int]]:
     """The chunk ids each earlier question's turn added, found by retrieving it again (the same
     question over an unchanged index retrieves the same chunks), minus the chunks of the turns
     before it. Assumes no chunk of those turns was dropped to fit the context window."""
@@ -152,7 +153,7 @@ async def recover_chunk_ids(state: AppState, questions: list[str]) -> list[list[
             max_tokens=None,
             temperature=0.0,
         )
-        hits, _ = await run_in_threadpool(_retrieve, state, query)
+        hits, _ = await run_in_threadpool(_retrieve, state, query, tenant)
         new = [h.chunk_id for h in hits if h.chunk_id not in seen]
         chunk_ids.append(new)
         seen.update(new)
@@ -162,9 +163,18 @@ async def recover_chunk_ids(state: AppState, questions: list[str]) -> list[list[
 def answer_stream(
     state: AppState, prepared: PreparedAnswer
 ) -> AsyncIterator[GenerationDelta | GenerationResult]:
-    """The engine's stream for a prepared answer; closing it early aborts the generation."""
-    llm, _ = _require_pipeline(state)
-    return llm.generate(prepared.prompt.token_ids, prepared.params)
+    """The engine's stream for a prepared answer; closing it early aborts the generation.
+
+    The stable head of the prompt (system prompt, tools, examples) is the same for everyone, so
+    it is cached as public; the sources and the question are cached under the tenant's salt.
+    """
+    llm, builder = _require_pipeline(state)
+    ids = prepared.prompt.token_ids
+    stable = builder.stable_ids
+    public = len(stable) if ids[: len(stable)] == stable else 0
+    return llm.generate(
+        ids, prepared.params, namespace=prepared.tenant, public_prefix_tokens=public
+    )
 
 
 def citations(prepared: PreparedAnswer) -> list[CitationOut]:
@@ -233,7 +243,9 @@ def to_source(hit: SearchHitOut) -> Source:
     )
 
 
-def _retrieve(state: AppState, query: QueryIn) -> tuple[list[SearchHitOut], dict[str, float]]:
+def _retrieve(
+    state: AppState, query: QueryIn, tenant: str
+) -> tuple[list[SearchHitOut], dict[str, float]]:
     settings = state.settings
     if state.sessions is None or state.retriever is None:
         raise NotReadyError("retrieval is not ready")
@@ -248,7 +260,7 @@ def _retrieve(state: AppState, query: QueryIn) -> tuple[list[SearchHitOut], dict
         )
     except ValidationError as exc:
         raise InvalidInputError(f"cannot search for this question: {exc}") from exc
-    found = search(state.sessions, state.retriever, request)
+    found = search(state.sessions, state.retriever, request, tenant)
     return found.results, dict(found.timings)
 
 

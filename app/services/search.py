@@ -16,17 +16,30 @@ if TYPE_CHECKING:
 
 
 def allowed_chunk_ids(
-    session: Session, *, collection: str | None, document_ids: list[int] | None
+    session: Session,
+    *,
+    collection: str | None,
+    document_ids: list[int] | None,
+    tenant: str | None = None,
 ) -> np.ndarray | None:
-    """Ids of the ready chunks that pass the filters, or None when there is no filter."""
-    if collection is None and document_ids is None:
+    """Ids of the ready chunks of `tenant` that pass the filters, or None when nothing needs
+    filtering (no filter, and no other tenant has collections)."""
+    scoped = tenant is not None and _has_other_tenants(session, tenant)
+    if collection is None and document_ids is None and not scoped:
         return None
-    query = select(Chunk.id).join(Document).where(Document.status == "ready")
+    query = select(Chunk.id).join(Document).join(Collection).where(Document.status == "ready")
+    if tenant is not None:
+        query = query.where(Collection.tenant == tenant)
     if collection is not None:
-        query = query.join(Collection).where(Collection.name == collection)
+        query = query.where(Collection.name == collection)
     if document_ids is not None:
         query = query.where(Document.id.in_(document_ids))
     return np.asarray(list(session.scalars(query)), dtype=np.int64)
+
+
+def _has_other_tenants(session: Session, tenant: str) -> bool:
+    other = select(Collection.id).where(Collection.tenant != tenant).limit(1)
+    return session.scalar(other) is not None
 
 
 def fetch_chunk_texts(sessions: sessionmaker[Session], chunk_ids: list[int]) -> dict[int, str]:
@@ -39,14 +52,23 @@ def fetch_chunk_texts(sessions: sessionmaker[Session], chunk_ids: list[int]) -> 
         return {chunk_id: text for chunk_id, text in rows}
 
 
-def search(sessions: sessionmaker[Session], retriever: Retriever, request: SearchIn) -> SearchOut:
-    """The `top_k` best chunks for `request.query` among those the filters allow.
+def search(
+    sessions: sessionmaker[Session],
+    retriever: Retriever,
+    request: SearchIn,
+    tenant: str | None = None,
+) -> SearchOut:
+    """The `top_k` best chunks for `request.query` among those of `tenant` (every tenant's when
+    None) that the filters allow.
 
     `candidates` is raised to `top_k` when smaller, since the reranker keeps top_k of them.
     """
     with sessions() as session:
         allowed = allowed_chunk_ids(
-            session, collection=request.collection, document_ids=request.document_ids
+            session,
+            collection=request.collection,
+            document_ids=request.document_ids,
+            tenant=tenant,
         )
     if allowed is not None and allowed.size == 0:
         return SearchOut(results=[], timings={"embed_ms": 0.0, "search_ms": 0.0, "rerank_ms": 0.0})
