@@ -45,6 +45,7 @@ def engine_config_from_settings(settings: Settings) -> EngineConfig:
         enable_prefix_cache=settings.prefix_cache,
         attention_backend=settings.attention_backend,
         dtype=settings.dtype,
+        weight_quant=settings.weight_quant,
         cache_dir=str(settings.cache_dir / "models"),
     )
 
