@@ -104,9 +104,9 @@ class ServerProcess:
         proc.wait(timeout=60)
 
     def stop(self) -> None:
-        """A graceful stop (SIGTERM); escalates to SIGKILL if it hangs."""
-        proc = self._require()
-        if proc.poll() is None:
+        """A graceful stop (SIGTERM) if it runs; escalates to SIGKILL if it hangs."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=60)
@@ -248,19 +248,26 @@ def assert_earlier_docs_survived(client: httpx.Client, small: dict[str, dict]) -
     assert hits["results"][0]["document_id"] == small["garden.md"]["id"]
 
 
+def assert_same_chunks(before: StoreState, after: StoreState, small: dict[str, dict]) -> None:
+    """The small documents kept exactly the chunk rows and vectors they had before the kill."""
+    for body in small.values():
+        doc = body["id"]
+        assert after.chunk_ids[doc] == before.chunk_ids[doc] <= after.index_ids
+
+
 @pytest.fixture
 def server(tmp_path: Path, database_url: str) -> Iterator[ServerProcess]:
     """A server process on a fresh data dir and database; stopped after the test."""
     proc = ServerProcess(tmp_path / "data", database_url, tmp_path / "server.log")
     yield proc
-    if proc._proc is not None:
-        proc.stop()
+    proc.stop()
 
 
 @pytest.mark.slow
 def test_kill_during_ingestion_loses_nothing_that_was_ready(server: ServerProcess) -> None:
     with server.start() as client:
         small = upload_small_docs(client)
+        before = read_store(server.data_dir, server.database_url)
         big_ids = [
             upload(client, f"big{s}.txt", big_text(s, QUEUED_DOC_PARAGRAPHS), wait=False)[
                 "document_id"
@@ -278,18 +285,17 @@ def test_kill_during_ingestion_loses_nothing_that_was_ready(server: ServerProces
     server.stop()
     store = read_store(server.data_dir, server.database_url)
     assert_consistent(store)
+    assert_same_chunks(before, store, small)
 
 
 def kill_when_processing(server: ServerProcess, client: httpx.Client, doc_ids: list[int]) -> str:
     """Poll the documents tightly and SIGKILL the server on first sight of `processing`;
     returns the status that triggered the kill ("ready"/"failed" if all finished first)."""
-    last = "pending"
     while True:
         statuses = [client.get(f"/v1/documents/{d}").json()["status"] for d in doc_ids]
         if "processing" in statuses or all(s in ("ready", "failed") for s in statuses):
-            last = "processing" if "processing" in statuses else statuses[-1]
             server.kill()
-            return last
+            return "processing" if "processing" in statuses else statuses[-1]
 
 
 @pytest.mark.slow
@@ -315,6 +321,7 @@ def test_kill_during_deletion_leaves_the_document_whole_or_gone(server: ServerPr
     server.stop()
     store = read_store(server.data_dir, server.database_url)
     assert_consistent(store)
+    assert_same_chunks(before, store, small)
     big_chunks = before.chunk_ids[big["id"]]
     if big["id"] in store.statuses:
         assert store.chunk_ids[big["id"]] == big_chunks <= store.index_ids
