@@ -208,6 +208,7 @@ class LLMEngine:
             "blocks_pinned": cache.num_pinned_blocks,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
     # -- internals ------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class Scheduler:
         self._step = 0
         self._num_arrivals = 0
         self._in_flight: SchedulerOutput | None = None
+        self.num_preemptions = 0  # since start: how often the pool ran out under load
 
     @property
     def cache(self) -> RadixCache:
@@ -294,6 +295,7 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         del self._running[seq.seq_id]
         # preempted requests go back to the front: they are older than anything waiting
         self._waiting = {seq.seq_id: seq, **self._waiting}

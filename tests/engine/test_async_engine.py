@@ -125,3 +125,30 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
     result, stats = asyncio.run(main())
     assert result.finish_reason == "length" and result.completion_tokens == 8
     assert stats["num_running"] == 0 and stats["blocks_used"] == stats["blocks_cached"]
+
+
+def test_a_burst_bigger_than_the_kv_pool_queues_preempts_and_finishes(request, engine):
+    # 12 requests of ~50 tokens need ~4 blocks of 16 each: ~48 blocks against a pool of 10.
+    # The prefix cache is off so that every request needs its own blocks.
+    small = AsyncEngine(
+        make_engine(request, num_kv_blocks=10, max_num_seqs=8, enable_prefix_cache=False)
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [f"{p} (variant {i})" for i in range(3) for p in PROMPTS[:4]]
+
+    async def main():
+        reference = [await collect(engine, p, params) for p in prompts]
+        burst = await asyncio.gather(*(collect(small, p, params) for p in prompts))
+        stats = await small.call(lambda e: e.cache_stats())
+        return reference, burst, stats
+
+    try:
+        reference, burst, stats = asyncio.run(main())
+    finally:
+        small.shutdown()
+    for (_, expected), (text, got) in zip(reference, burst, strict=True):
+        assert got.finish_reason == "length" and got.token_ids == expected.token_ids
+        assert text == got.text
+    assert stats["num_preemptions"] > 0  # the pool really ran out and requests were recomputed
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["blocks_used"] == 0  # every block came back
