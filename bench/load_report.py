@@ -38,6 +38,9 @@ def status_class(sample: Sample) -> str:
 def kind_stats(samples: Sequence[Sample], elapsed_s: float) -> dict[str, Any]:
     """Counts by status class, rps, and latency percentiles of the 2xx requests (seconds).
 
+    `elapsed_s` is the run's duration plus the time to drain the requests still in flight at
+    its end, so rps is what the server completed, not what the clients offered.
+
     n_2xx + n_4xx + n_429 + n_5xx + n_other + n_exception == count; n_stream_errors counts
     the 2xx streams that broke off or reported an error in-band (a subset of n_2xx).
     """
