@@ -5,7 +5,8 @@ is a quarter of the fp32 bytes. The matmul runs ``torch._weight_int8pack_mm``, w
 bfloat16 activations and scales and returns bfloat16: on CPU its fp32 variant is not vectorized
 (slower than fp32 ``F.linear``), while the bf16 one reads the int8 weights 3-5x faster.
 So an int8 linear computes ``bf16(x) @ dequantize(w).T`` with float32 accumulation, rounded to
-bf16, and hands back the caller's dtype.
+bf16, and hands back the caller's dtype. Large batches (prefill chunks) are compute-bound, where
+that kernel loses to dequantizing once and running the caller's dtype GEMM, so they do that.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
 # multiple of 16 (measured on AVX-512); other shapes take the dequantize-then-matmul path.
 _PACK_MM_K_MULTIPLE = 16
+# NOTE: above ~256 rows the int8 kernel is slower than dequantize + fp32 GEMM (measured on one
+# AVX-512 core: equal at 256, 10-45% slower at 512-2048).
+_PACK_MM_MAX_ROWS = 256
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,14 +70,24 @@ class Int8Weight(nn.Module):
         return dequantize(self.qweight, self.scales)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T``: x [..., K] -> [..., N] in x's dtype (bf16 activations, see module doc)."""
+        """``x @ W.T``: x [..., K] -> [..., N] in x's dtype (small batches take bf16 activations,
+        see the module doc)."""
         lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k).to(torch.bfloat16)
-        if x.device.type == "cpu" and k % _PACK_MM_K_MULTIPLE == 0 and x2.shape[0] > 0:
-            out = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
-        else:
-            out = (x2.float() @ self.dequantize().T).to(torch.bfloat16)
-        return out.to(x.dtype).reshape(*lead, -1)
+        x2 = x.reshape(-1, k)
+        if self._takes_pack_mm(x2):
+            out = torch._weight_int8pack_mm(
+                x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales
+            )
+            return out.to(x.dtype).reshape(*lead, -1)
+        return F.linear(x, self.dequantize().to(x.dtype))
+
+    def _takes_pack_mm(self, x2: torch.Tensor) -> bool:
+        rows, k = x2.shape
+        return (
+            x2.device.type == "cpu"
+            and k % _PACK_MM_K_MULTIPLE == 0
+            and 0 < rows <= _PACK_MM_MAX_ROWS
+        )
 
 
 def linear(

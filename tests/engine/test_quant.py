@@ -65,7 +65,7 @@ def test_quantize_rejects_bad_input():
         ((8,), 33, 576),  # odd row count, the model's hidden size
         ((2, 5), 17, 48),  # extra leading dims
         ((3,), 10, 40),  # K not a multiple of 16: the dequantize-then-matmul path
-        ((300,), 64, 1536),  # a prefill-sized batch
+        ((300,), 64, 1536),  # a prefill-sized batch: dequantize, then the float matmul
     ],
 )
 def test_int8_matmul_matches_dequantized_reference(lead, out_features, in_features):
@@ -76,9 +76,9 @@ def test_int8_matmul_matches_dequantized_reference(lead, out_features, in_featur
     weight = Int8Weight(w)
     ours = linear(x, weight, bias)
     assert ours.dtype == x.dtype and ours.shape == (*lead, out_features)
-    # Reference in float64 on the same inputs the kernel sees: bf16-rounded activations and the
-    # dequantized int8 matrix. The kernel accumulates in fp32 and rounds its output to bf16
-    # (relative 2^-8), so that rounding sets the tolerance.
+    # Reference in float64 on the dequantized int8 matrix and bf16-rounded activations (what the
+    # int8 kernel sees; the large-batch path uses exact x, within a bf16 step of it). The kernel
+    # accumulates in fp32 and rounds its output to bf16 (relative 2^-8): that sets the tolerance.
     x_bf16 = x.to(torch.bfloat16).double()
     expected = x_bf16 @ weight.dequantize().double().T + bias.double()
     scale = (x_bf16.abs() @ weight.dequantize().double().abs().T).amax()
