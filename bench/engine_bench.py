@@ -5,6 +5,9 @@ Measures (medians over --repeats):
 - prefill tokens/s, ours vs transformers (one forward over the same prompt);
 - decode tokens/s at batch 1, ours vs transformers `generate`;
 - aggregate decode tokens/s with 8 concurrent requests vs transformers run one after another;
+- int8 weights (``weight_quant=int8``): every figure above for our engine with fp32 weights and
+  with int8 weights side by side, interleaved so machine noise hits both, plus how many of the
+  int8 engine's greedy decode tokens equal the fp32 engine's;
 - KV bytes per token against 2 * layers * kv_heads * head_dim * dtype bytes;
 - engine overhead per decode step (scheduler + cache bookkeeping, no model) at 64 sequences.
 
@@ -30,11 +33,25 @@ from app.settings import get_settings, packaged_llm_path
 from bench.engine_overhead import measure as measure_overhead
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 # A real long English text that every Debian machine has.
 SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
+WEIGHTS = ("fp32", "int8")  # our engine's two weight formats, keys of every per-engine figure
+GOALS = {"prefill": 1, "decode_batch1": 3, "concurrent": 5}
+
+
+def build_engine(config: EngineConfig, weight_quant: str) -> LLMEngine:
+    runner = ModelRunner(
+        config.model,
+        block_size=config.block_size,
+        kv_cache_bytes=int(config.kv_cache_gb * 2**30),
+        cache_dir=config.cache_dir,
+        weight_quant=weight_quant,
+    )
+    return LLMEngine(config, runner=runner)
 
 
 def corpus_ids(engine: LLMEngine, num_tokens: int, offset: int = 0) -> list[int]:
@@ -98,47 +115,77 @@ def peer_generate_s(model, ids: list[int], new_tokens: int) -> float:
         return time.perf_counter() - start
 
 
-def decode_batch1(engine, model, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+def decode_batch1(
+    engines: dict, model, prompt: list[int], new_tokens: int, repeats: int
+) -> tuple[dict, list[list[int]]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    ours = [1 / run_one(engine, prompt, params, uuid.uuid4().bytes).tpot_s for _ in range(repeats)]
+    ours: dict[str, list[float]] = {w: [] for w in engines}
+    outputs: dict[str, list[int]] = {}
     peer = []
-    for _ in tqdm(range(repeats), desc="transformers batch-1 decode"):
+    for _ in tqdm(range(repeats), desc="batch-1 decode"):
+        for w, engine in engines.items():
+            out = run_one(engine, prompt, params, uuid.uuid4().bytes)
+            ours[w].append(1 / out.tpot_s)
+            outputs[w] = out.token_ids
         # decode time = a generate of N tokens minus a generate of 1 (its prefill)
         total = peer_generate_s(model, prompt, new_tokens)
-        prefill = peer_generate_s(model, prompt, 1)
-        peer.append((new_tokens - 1) / (total - prefill))
-    return {
-        "ours_tok_s": statistics.median(ours),
-        "transformers_tok_s": statistics.median(peer),
-        "ratio": statistics.median(ours) / statistics.median(peer),
-    }
+        prefill_s = peer_generate_s(model, prompt, 1)
+        peer.append((new_tokens - 1) / (total - prefill_s))
+    peer_tok_s = statistics.median(peer)
+    result: dict = {"transformers_tok_s": peer_tok_s}
+    for w, speeds in ours.items():
+        result[f"ours_{w}_tok_s"] = statistics.median(speeds)
+        result[f"ratio_{w}"] = statistics.median(speeds) / peer_tok_s
+    return result, [outputs[w] for w in engines]
 
 
-def concurrent(engine, model, prompts: list[list[int]], new_tokens: int) -> dict:
+def concurrent(
+    engines: dict, model, prompts: list[list[int]], new_tokens: int
+) -> tuple[dict, list[list[list[int]]]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    ours_s = time.perf_counter() - start
-    total_tokens = sum(r.completion_tokens for r in results)
+    result: dict = {"num_requests": len(prompts)}
+    outputs = {}
+    for w, engine in engines.items():
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        result[f"ours_{w}_s"] = time.perf_counter() - start
+        result[f"ours_{w}_tok_s"] = (
+            sum(r.completion_tokens for r in results) / result[f"ours_{w}_s"]
+        )
+        outputs[w] = [r.token_ids for r in results]
+    total_tokens = len(prompts) * new_tokens
     peer_s = sum(peer_generate_s(model, p, new_tokens) for p in tqdm(prompts, desc="sequential"))
+    result["transformers_sequential_tok_s"] = total_tokens / peer_s
+    for w in engines:
+        result[f"ratio_{w}"] = peer_s / result.pop(f"ours_{w}_s")
+    return result, [outputs[w] for w in engines]
+
+
+def greedy_agreement(fp32: list[list[int]], int8: list[list[int]]) -> dict:
+    """Position-wise identical tokens, and tokens before each sequence's first difference
+    (after a first difference the two continue from different text, so both are reported)."""
+    same = total = prefix = 0
+    for a, b in zip(fp32, int8, strict=True):
+        total += len(a)
+        same += sum(x == y for x, y in zip(a, b, strict=True))
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     return {
-        "num_requests": len(prompts),
-        "ours_tok_s": total_tokens / ours_s,
-        "transformers_sequential_tok_s": total_tokens / peer_s,
-        "ratio": peer_s / ours_s,
+        "num_sequences": len(fp32),
+        "num_tokens": total,
+        "identical_fraction": same / total,
+        "before_first_difference_fraction": prefix / total,
     }
 
 
-def prefill(engine, model, prompt: list[int], repeats: int) -> dict:
+def prefill(engines: dict, model, prompt: list[int], repeats: int) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    ours = [run_one(engine, prompt, params, uuid.uuid4().bytes).ttft_s for _ in range(repeats)]
-    peer = peer_prefill_s(model, prompt, repeats)
-    return {
-        "prompt_tokens": len(prompt),
-        "ours_tok_s": len(prompt) / statistics.median(ours),
-        "transformers_tok_s": len(prompt) / peer,
-        "ratio": peer / statistics.median(ours),
-    }
+    peer_s = peer_prefill_s(model, prompt, repeats)
+    result: dict = {"prompt_tokens": len(prompt), "transformers_tok_s": len(prompt) / peer_s}
+    for w, engine in engines.items():
+        ours = [run_one(engine, prompt, params, uuid.uuid4().bytes).ttft_s for _ in range(repeats)]
+        result[f"ours_{w}_tok_s"] = len(prompt) / statistics.median(ours)
+        result[f"ratio_{w}"] = peer_s / statistics.median(ours)
+    return result
 
 
 def kv_bytes(engine: LLMEngine) -> dict:
@@ -154,24 +201,21 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    t = result["ttft"]
-    left.bar(
-        ["cold", "warm (prefix cached)"],
-        [t["cold_ttft_ms"], t["warm_ttft_ms"]],
-        color=["#888", "#2a7"],
-    )
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [f"{kind}\n{w}" for w in WEIGHTS for kind in ("cold", "warm")]
+    values = [result["ttft"][w][f"{kind}_ttft_ms"] for w in WEIGHTS for kind in ("cold", "warm")]
+    left.bar(names, values, color=["#888", "#2a7"] * len(WEIGHTS))
     left.set_ylabel("TTFT (ms)")
     left.set_title(f"{result['prefix_tokens']}-token prefix + {result['suffix_tokens']} new")
-    names = ["prefill", "decode b=1", "decode x8 concurrent"]
-    ratios = [
-        result["prefill"]["ratio"],
-        result["decode_batch1"]["ratio"],
-        result["concurrent"]["ratio"],
-    ]
-    goals = [1, 3, 5]
-    right.bar(names, ratios, color="#36c", label="ours / transformers")
-    right.scatter(names, goals, color="red", marker="_", s=800, label="goal", zorder=3)
+    x = range(len(GOALS))
+    width = 0.38
+    for i, (w, color) in enumerate(zip(WEIGHTS, ("#36c", "#e80"), strict=True)):
+        ratios = [result[key][f"ratio_{w}"] for key in GOALS]
+        right.bar([p + (i - 0.5) * width for p in x], ratios, width, color=color, label=f"ours {w}")
+    right.scatter(list(x), list(GOALS.values()), color="red", marker="_", s=1500, label="goal")
+    right.set_xticks(
+        list(x), ["prefill", "decode b=1", f"decode x{result['concurrent']['num_requests']}"]
+    )
     right.set_ylabel("speed-up over transformers (x)")
     right.legend()
     fig.tight_layout()
@@ -185,8 +229,11 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=RESULTS / "engine_bench.json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     settings = get_settings()
     config = EngineConfig(
@@ -195,7 +242,8 @@ def main() -> None:
         kv_cache_gb=1.0,
         max_num_batched_tokens=4096,
     )
-    engine = LLMEngine(config)
+    engines = {w: build_engine(config, "none" if w == "fp32" else w) for w in WEIGHTS}
+    engine = engines["fp32"]
     model = load_peer()
     prefix = corpus_ids(engine, args.prefix_tokens)
     step = args.suffix_tokens
@@ -209,19 +257,25 @@ def main() -> None:
     )
     concurrent_prompts = [corpus_ids(engine, 64, 4000 + 64 * i) for i in range(args.concurrency)]
 
-    run_one(engine, chat_prompt, SamplingParams(max_tokens=4), b"warm-up")
+    for e in engines.values():
+        run_one(e, chat_prompt, SamplingParams(max_tokens=4), b"warm-up")
+    decode, decode_ids = decode_batch1(
+        engines, model, chat_prompt, args.decode_tokens, args.repeats
+    )
+    many, many_ids = concurrent(engines, model, concurrent_prompts, args.decode_tokens)
     result = {
         "model": os.path.basename(config.model),
         "device": str(engine.runner.device),
         "torch_threads": torch.get_num_threads(),
         "prefix_tokens": args.prefix_tokens,
         "suffix_tokens": args.suffix_tokens,
-        "ttft": ttft_cold_warm(engine, prefix, suffixes),
-        "prefill": prefill(engine, model, prefix + suffixes[0], args.repeats),
-        "decode_batch1": decode_batch1(
-            engine, model, chat_prompt, args.decode_tokens, args.repeats
+        "ttft": {w: ttft_cold_warm(e, prefix, suffixes) for w, e in engines.items()},
+        "prefill": prefill(engines, model, prefix + suffixes[0], args.repeats),
+        "decode_batch1": decode,
+        "concurrent": many,
+        "int8_greedy_agreement_with_fp32": greedy_agreement(
+            [decode_ids[0], *many_ids[0]], [decode_ids[1], *many_ids[1]]
         ),
-        "concurrent": concurrent(engine, model, concurrent_prompts, args.decode_tokens),
         "kv_bytes_per_token": kv_bytes(engine),
     }
     overhead = measure_overhead("cache_on", 64, 500, 0)
@@ -229,17 +283,25 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    t = result["ttft"]
-    print(
-        f"TTFT {args.prefix_tokens}+{args.suffix_tokens}: cold {t['cold_ttft_ms']:.0f} ms, "
-        f"warm {t['warm_ttft_ms']:.0f} ms -> warm/cold {t['warm_over_cold']:.3f} (goal <= 0.05)"
-    )
-    for key, goal in (("prefill", 1), ("decode_batch1", 3), ("concurrent", 5)):
-        r = result[key]
-        print(f"{key}: ours/transformers = {r['ratio']:.2f}x (goal >= {goal}x)  {r}")
-    print(f"KV bytes/token: {result['kv_bytes_per_token']}")
+    summarize(result, args)
     print(f"engine overhead per decode step at 64 seqs: {overhead['median_us']:.0f} us")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def summarize(result: dict, args: argparse.Namespace) -> None:
+    for w in WEIGHTS:
+        t = result["ttft"][w]
+        print(
+            f"TTFT {args.prefix_tokens}+{args.suffix_tokens} ({w}): "
+            f"cold {t['cold_ttft_ms']:.0f} ms, "
+            f"warm {t['warm_ttft_ms']:.0f} ms -> warm/cold {t['warm_over_cold']:.3f} (goal <= 0.05)"
+        )
+    for key, goal in GOALS.items():
+        r = result[key]
+        ratios = ", ".join(f"{w} {r[f'ratio_{w}']:.2f}x" for w in WEIGHTS)
+        print(f"{key}: ours/transformers = {ratios} (goal >= {goal}x)  {r}")
+    print(f"int8 greedy agreement with fp32: {result['int8_greedy_agreement_with_fp32']}")
+    print(f"KV bytes/token: {result['kv_bytes_per_token']}")
 
 
 if __name__ == "__main__":
