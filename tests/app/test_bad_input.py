@@ -121,3 +121,24 @@ def test_multipart_without_a_file_is_422(client: TestClient) -> None:
     response = client.post("/v1/documents", data={"title": "x"}, files={"other": ("a", b"b")})
     assert response.status_code == 422
     assert "'file'" in response.json()["detail"]
+
+
+def test_json_routes_have_their_own_smaller_body_limit(client: TestClient) -> None:
+    limit = client.app.state.prefixrag.settings.max_request_bytes  # type: ignore[attr-defined]
+    big_query = {"query": "x" * (limit + 10)}
+    response = client.post("/v1/search", json=big_query)
+    assert response.status_code == 413
+    assert str(limit) in response.json()["detail"]
+
+    def body():  # chunked: counted as it arrives, cut off at the limit
+        yield b'{"query": "'
+        for _ in range(limit // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    chunked = client.post(
+        "/v1/search", content=body(), headers={"content-type": "application/json"}
+    )
+    assert chunked.status_code == 413
+    assert "too large" in chunked.json()["detail"]
+    assert client.post("/v1/search", json={"query": "small"}).status_code == 200
