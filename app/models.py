@@ -101,7 +101,11 @@ class Chunk(Base):
     """A span of a document's extracted text; its id is the FAISS vector id."""
 
     __tablename__ = "chunks"
-    __table_args__ = (UniqueConstraint("document_id", "ordinal", name="uq_chunks_ordinal"),)
+    # AUTOINCREMENT: SQLite would otherwise reuse the ids (= vector ids) of deleted chunks
+    __table_args__ = (
+        UniqueConstraint("document_id", "ordinal", name="uq_chunks_ordinal"),
+        {"sqlite_autoincrement": True},
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     document_id: Mapped[int] = mapped_column(
