@@ -2,12 +2,35 @@
 // message, whichever error shape the route uses.
 
 const STATUS_HINTS = {
+  401: "API key needed",
   409: "Conflict",
   413: "File too large",
   415: "Unsupported file type",
   422: "Invalid input",
+  429: "Busy, retry in a moment",
   503: "Service not ready",
 };
+
+const KEY_STORAGE = "prefixrag.apiKey";
+
+/** The API key this browser sends ("" for none), kept in localStorage across visits. */
+export function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) || "";
+}
+
+/** Remember `key` for every later request ("" forgets it). */
+export function setApiKey(key) {
+  if (key) localStorage.setItem(KEY_STORAGE, key);
+  else localStorage.removeItem(KEY_STORAGE);
+}
+
+function withKey(options) {
+  const key = apiKey();
+  if (!key) return options;
+  const headers = new Headers(options.headers || {});
+  headers.set("Authorization", `Bearer ${key}`);
+  return { ...options, headers };
+}
 
 /** An HTTP error from the API: `status` is the code, `message` is meant for people. */
 export class ApiError extends Error {
@@ -45,11 +68,15 @@ function describe(body) {
 export async function request(url, options = {}) {
   let response;
   try {
-    response = await fetch(url, options);
+    response = await fetch(url, withKey(options));
   } catch (err) {
     throw new ApiError(0, `Cannot reach the server: ${err.message}`);
   }
-  if (!response.ok) throw new ApiError(response.status, await errorMessage(response));
+  if (!response.ok) {
+    const error = new ApiError(response.status, await errorMessage(response));
+    if (response.status === 401) document.dispatchEvent(new CustomEvent("prefixrag:unauthorized"));
+    throw error;
+  }
   return response;
 }
 

@@ -1,5 +1,6 @@
 // Entry point: wire the panels to the page and keep the service status in the top bar fresh.
 
+import { apiKey, setApiKey } from "./api.js";
 import { AskPanel } from "./ask.js";
 import { DocumentsPanel } from "./documents.js";
 
@@ -47,7 +48,22 @@ function main() {
   new AskPanel(document.querySelector(".ask"), collection);
   const status = new StatusBar(document.querySelector("#components"));
   field.addEventListener("change", () => documents.refresh());
+  wireApiKey(document.querySelector("#api-key"), () => documents.refresh());
   status.refresh().then(() => documents.refresh());
+}
+
+/** The API key field: saved on change; focused (and flagged) when the server answers 401. */
+function wireApiKey(input, onChange) {
+  input.value = apiKey();
+  input.addEventListener("change", () => {
+    setApiKey(input.value.trim());
+    input.removeAttribute("aria-invalid");
+    onChange();
+  });
+  document.addEventListener("prefixrag:unauthorized", () => {
+    input.setAttribute("aria-invalid", "true");
+    input.focus();
+  });
 }
 
 main();

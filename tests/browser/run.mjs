@@ -1,5 +1,6 @@
 // End-to-end check of the web page in Debian's chromium, driven by playwright-core.
-// Usage: node run.mjs BASE_URL OUT_DIR DOCUMENT_PATH QUESTION
+// Usage: node run.mjs BASE_URL OUT_DIR DOCUMENT_PATH QUESTION [API_KEY]
+// With API_KEY the server needs a key: the page must ask for it, then work once it is entered.
 // Exits non-zero with a message on the first expectation that fails; writes page.png to OUT_DIR.
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -7,7 +8,7 @@ import { basename, join } from "node:path";
 
 import { chromium } from "playwright-core";
 
-const [baseUrl, outDir, documentPath, question] = process.argv.slice(2);
+const [baseUrl, outDir, documentPath, question, key] = process.argv.slice(2);
 if (!question) throw new Error("usage: node run.mjs BASE_URL OUT_DIR DOCUMENT_PATH QUESTION");
 const STEP_MS = 60_000;
 const ANSWER_MS = 240_000;
@@ -24,6 +25,18 @@ const ARGS = [
 
 function check(condition, message) {
   if (!condition) throw new Error(`expectation failed: ${message}`);
+}
+
+async function signsIn(page, apiKey) {
+  const field = page.locator("#api-key");
+  await page.locator("#api-key[aria-invalid=true]").waitFor({ timeout: STEP_MS });
+  const refused = await page.locator("#doc-summary").textContent();
+  check(/401/.test(refused), `the list says a key is needed, got ${JSON.stringify(refused)}`);
+  await field.fill(apiKey);
+  await field.press("Tab"); // commits the field: "change" saves the key and reloads the list
+  await page.locator("#doc-summary", { hasText: /No documents/ }).waitFor({ timeout: STEP_MS });
+  check((await field.getAttribute("aria-invalid")) === null, "the key field is no longer flagged");
+  console.log("api key: asked for after a 401, accepted once entered");
 }
 
 async function rejectsUnsupportedFile(page) {
@@ -156,6 +169,7 @@ async function main() {
     page.on("pageerror", (err) => pageErrors.push(err.message));
     await page.goto(baseUrl);
     await page.locator(".component-ok[data-component=llm]").waitFor({ timeout: STEP_MS });
+    if (key) await signsIn(page, key);
     await rejectsUnsupportedFile(page);
     const title = basename(documentPath); // a text file is titled by its file name
     await page.setInputFiles("#file-input", documentPath);

@@ -108,6 +108,15 @@ def server(tmp_path: Path) -> Iterator[str]:
     _share_model_cache(data_dir)
     log_path = OUTPUT_DIR / "server.log"
     command = [_prefixrag(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    # a key makes the server refuse anonymous requests: the page must ask for it
+    created = subprocess.run(
+        [_prefixrag(), "keys", "create", "--name", "browser"],
+        env=_server_env(data_dir),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (tmp_path / "api-key").write_text(created.stdout.strip())
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, cwd=REPO, env=_server_env(data_dir), stdout=log, stderr=log
@@ -155,7 +164,15 @@ def test_upload_ask_and_read_citations_in_chromium(server: str, tmp_path: Path) 
     screenshot = OUTPUT_DIR / "page.png"
     screenshot.unlink(missing_ok=True)
     result = subprocess.run(
-        ["node", str(HERE / "run.mjs"), server, str(OUTPUT_DIR), str(document), QUESTION],
+        [
+            "node",
+            str(HERE / "run.mjs"),
+            server,
+            str(OUTPUT_DIR),
+            str(document),
+            QUESTION,
+            (tmp_path / "api-key").read_text(),
+        ],
         capture_output=True,
         text=True,
         timeout=SCRIPT_TIMEOUT_S,
