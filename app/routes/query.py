@@ -19,19 +19,24 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.auth import TenantDep
 from app.deps import StateDep
+from app.error_responses import COMMON_CODES, error_responses, event_stream_response
 from app.qa_schemas import QueryIn, QueryOut
 from app.routes.openai import collect_until_disconnect
 from app.services import qa
 from app.state import AppState
 from engine.outputs import GenerationDelta, GenerationResult
 
-router = APIRouter(prefix="/v1", tags=["query"])
+router = APIRouter(prefix="/v1", tags=["query"], responses=error_responses(*COMMON_CODES))
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/query", response_model=QueryOut)
+@router.post(
+    "/query",
+    response_model=QueryOut,
+    responses={**event_stream_response("the answer"), **error_responses(404, 429)},
+)
 async def query(body: QueryIn, request: Request, state: StateDep, tenant: TenantDep) -> Any:
     """Retrieve, build the prompt and answer; `stream: true` answers with SSE events."""
     prepared = await qa.prepare_answer(state, body, tenant)
@@ -42,7 +47,6 @@ async def query(body: QueryIn, request: Request, state: StateDep, tenant: Tenant
     result = await collect_until_disconnect(request, stream)
     if result is None:  # the client went away; nobody reads a response
         return JSONResponse({"detail": "client disconnected"}, status_code=499)
-    qa.record_result(state, result)
     return QueryOut(
         answer=result.text,
         citations=qa.citations(prepared),
@@ -77,7 +81,6 @@ async def query_events(
                 if item.text:
                     yield sse("delta", {"text": item.text})
                 continue
-            qa.record_result(state, item)
             done = {
                 "answer": item.text,
                 "usage": qa.usage(item).model_dump(),

@@ -57,7 +57,6 @@ async def rag_chat_completion(request: Request, body: ChatCompletionRequest) -> 
     result = await openai.collect_until_disconnect(request, stream)
     if result is None:
         return JSONResponse(error_body("client disconnected"), status_code=499)
-    qa.record_result(state, result)
     response = shape.full(result)
     response["choices"][0]["message"]["content"] = result.text + sources_block(cited)
     response["citations"] = [c.model_dump() for c in cited]
@@ -136,7 +135,6 @@ async def _chat_events(
                 if item.text:
                     yield openai.sse_event(shape.delta(item.text))
                 continue
-            qa.record_result(state, item)
             block = sources_block(cited)
             if block:
                 yield openai.sse_event(shape.delta(block))

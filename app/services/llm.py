@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,10 +59,17 @@ def model_id_for(path: str) -> str:
 class LLMService:
     """Generation for the HTTP layer: fits prompts into the context window and streams results."""
 
-    def __init__(self, engine: AsyncEngine, model_id: str, settings: Settings) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_id: str,
+        settings: Settings,
+        on_result: Callable[[GenerationResult], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.model_id = model_id
         self.settings = settings
+        self.on_result = on_result  # sees every finished generation (the metrics)
         # generations started and not yet finished; touched only on the event loop's thread
         self.num_active = 0
 
@@ -131,6 +138,8 @@ class LLMService:
         self.num_active += 1
         try:
             async for item in stream:
+                if isinstance(item, GenerationResult) and self.on_result is not None:
+                    self.on_result(item)
                 yield item
         finally:
             self.num_active -= 1
@@ -144,7 +153,8 @@ def load_llm(state: AppState) -> str | None:
     settings = state.settings
     config = engine_config_from_settings(settings)
     engine = AsyncEngine.from_config(config)
-    state.llm = LLMService(engine, model_id_for(config.model), settings)
+    on_result = state.metrics.observe_generation if state.metrics is not None else None
+    state.llm = LLMService(engine, model_id_for(config.model), settings, on_result)
     logger.info(
         "llm: %s loaded, %d KV blocks of %d tokens, prefix cache %s",
         config.model,

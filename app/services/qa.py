@@ -222,12 +222,6 @@ def timings(prepared: PreparedAnswer, result: GenerationResult) -> dict[str, flo
     }
 
 
-def record_result(state: AppState, result: GenerationResult) -> None:
-    """Feed a finished generation's TTFT and TPOT to the metrics."""
-    if state.metrics is not None:
-        state.metrics.observe_generation(result)
-
-
 def to_source(hit: SearchHitOut) -> Source:
     """A search hit as a prompt source; the rerank score wins when there is one."""
     score = hit.rerank_score if hit.rerank_score is not None else hit.score

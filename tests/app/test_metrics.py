@@ -62,6 +62,22 @@ def test_series_move_after_a_query(client: TestClient):
     assert delta("prefixrag_prefix_cache_hit_tokens_total") >= out["usage"]["cached_tokens"] > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_plain_openai_calls_feed_the_generation_series(client: TestClient, stream: bool):
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    before = scrape(client)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 3,
+        "stream": stream,
+    }
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    after = scrape(client)
+    for name in ("prefixrag_ttft_seconds_count", "prefixrag_ttft_seconds_sum"):
+        assert value(after, name) > value(before, name)
+
+
 def test_cache_and_block_series_match_the_engine(client: TestClient):
     samples = scrape(client)
     stats = app_state(client).llm.engine.stats()  # type: ignore[union-attr]
