@@ -263,7 +263,6 @@ def server(tmp_path: Path, database_url: str) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-@pytest.mark.slow
 def test_kill_during_ingestion_loses_nothing_that_was_ready(server: ServerProcess) -> None:
     with server.start() as client:
         small = upload_small_docs(client)
@@ -298,7 +297,6 @@ def kill_when_processing(server: ServerProcess, client: httpx.Client, doc_ids: l
             return "processing" if "processing" in statuses else statuses[-1]
 
 
-@pytest.mark.slow
 def test_kill_during_deletion_leaves_the_document_whole_or_gone(server: ServerProcess) -> None:
     with server.start() as client:
         small = upload_small_docs(client)
