@@ -12,12 +12,15 @@ from starlette.concurrency import run_in_threadpool
 
 from app.auth import TenantDep
 from app.deps import IngestDep, SessionDep, StateDep
+from app.error_responses import COMMON_CODES, error_responses
 from app.schemas import DocumentAccepted, DocumentOut, DocumentPage
 from app.services.documents import get_document, list_documents
 from app.services.errors import NotReadyError
 from app.uploads import read_ingest_request
 
-router = APIRouter(prefix="/v1/documents", tags=["documents"])
+router = APIRouter(
+    prefix="/v1/documents", tags=["documents"], responses=error_responses(*COMMON_CODES)
+)
 
 _UPLOAD_DOC = {
     "requestBody": {
@@ -44,7 +47,7 @@ _UPLOAD_DOC = {
     "",
     status_code=202,
     response_model=DocumentAccepted,
-    responses={201: {"model": DocumentOut}},
+    responses={201: {"model": DocumentOut}, **error_responses(409, 415, 429)},
     openapi_extra=_UPLOAD_DOC,
 )
 async def create_document(
@@ -74,13 +77,13 @@ def list_all(
     return list_documents(session, tenant=tenant, collection=collection, limit=limit, offset=offset)
 
 
-@router.get("/{document_id}", response_model=DocumentOut)
+@router.get("/{document_id}", response_model=DocumentOut, responses=error_responses(404))
 def get_one(document_id: int, session: SessionDep, tenant: TenantDep) -> DocumentOut:
     """One document with its status, chunk count and error."""
     return get_document(session, document_id, tenant)
 
 
-@router.delete("/{document_id}", status_code=204)
+@router.delete("/{document_id}", status_code=204, responses=error_responses(404, 409))
 def delete_one(document_id: int, ingest: IngestDep, tenant: TenantDep) -> Response:
     """Delete a document with its chunks and vectors."""
     ingest.delete(document_id, tenant)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.deps import StateDep
+from app.error_responses import error_responses
 from app.services.errors import NotReadyError
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], responses=error_responses(401, 503))
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 def metrics(state: StateDep) -> Response:
     """Every series of this app's registry."""
     if state.metrics is None:

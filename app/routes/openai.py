@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.auth import TenantDep
 from app.deps import StateDep
+from app.error_responses import COMMON_CODES, event_stream_response, openai_error_responses
 from app.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,7 +26,12 @@ from app.services.llm import LLMService
 from engine.outputs import GenerationDelta, GenerationResult
 from engine.sampling_params import SamplingParams
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_error_responses(*COMMON_CODES))
+# what a generation route answers besides COMMON_CODES
+_GENERATION_RESPONSES = {
+    **event_stream_response("the completion"),
+    **openai_error_responses(404, 429),
+}
 
 # Paths whose errors use OpenAI's envelope instead of FastAPI's {"detail": ...}.
 OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
@@ -69,7 +75,7 @@ def list_models(state: StateDep) -> dict[str, Any]:
     }
 
 
-@router.post("/completions")
+@router.post("/completions", responses=_GENERATION_RESPONSES)
 async def completions(
     body: CompletionRequest, request: Request, llm: LLMDep, tenant: TenantDep
 ) -> Any:
@@ -82,7 +88,7 @@ async def completions(
     return await _respond(request, body, llm, prompt_ids, params, shape, tenant)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=_GENERATION_RESPONSES)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep
 ) -> Any:
@@ -301,9 +307,15 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
 
 
 def install_error_handlers(app: Any) -> None:
-    """Report OpenAIError, and validation errors on the OpenAI paths, in OpenAI's envelope."""
-    from fastapi.exception_handlers import request_validation_exception_handler
+    """Report OpenAIError, and validation and HTTP errors on the OpenAI paths, in OpenAI's
+    envelope."""
+    from fastapi.exception_handlers import (
+        http_exception_handler,
+        request_validation_exception_handler,
+    )
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+    from starlette.responses import Response
 
     async def openai_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, OpenAIError)  # registered for this class only
@@ -321,5 +333,14 @@ def install_error_handlers(app: Any) -> None:
         )
         return JSONResponse(error_body(message or "invalid request", param=where), 422)
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # FastAPI's own 400 (unparseable body) and the body limit's 413 raise HTTPException
+        assert isinstance(exc, HTTPException)  # registered for this class only
+        if request.url.path not in OPENAI_PATHS:
+            return await http_exception_handler(request, exc)
+        body = error_body(str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)

@@ -6,11 +6,12 @@ from fastapi import APIRouter
 
 from app.auth import TenantDep
 from app.deps import RetrieverDep, StateDep
+from app.error_responses import COMMON_CODES, error_responses
 from app.schemas import SearchIn, SearchOut
 from app.services.errors import NotReadyError
 from app.services.search import search
 
-router = APIRouter(prefix="/v1", tags=["search"])
+router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COMMON_CODES))
 
 
 @router.post("/search", response_model=SearchOut)
