@@ -142,3 +142,49 @@ def test_json_routes_have_their_own_smaller_body_limit(client: TestClient) -> No
     assert chunked.status_code == 413
     assert "too large" in chunked.json()["detail"]
     assert client.post("/v1/search", json={"query": "small"}).status_code == 200
+
+
+def test_unparseable_body_is_400_in_each_routes_error_shape(client: TestClient) -> None:
+    not_utf8 = {"content": b"\xff\xfe{", "headers": {"content-type": "application/json"}}
+    ours = client.post("/v1/search", **not_utf8)
+    assert ours.status_code == 400
+    assert ours.json()["detail"].strip()
+    openai_style = client.post("/v1/completions", **not_utf8)
+    assert openai_style.status_code == 400
+    assert openai_style.json()["error"]["message"].strip()
+
+
+def test_chunked_body_over_the_limit_on_an_openai_path_is_413_in_its_envelope(
+    client: TestClient,
+) -> None:
+    limit = client.app.state.prefixrag.settings.max_request_bytes  # type: ignore[attr-defined]
+
+    def body():
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(limit // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    response = client.post(
+        "/v1/completions", content=body(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert "too large" in response.json()["error"]["message"]
+
+
+def test_openapi_documents_the_error_answers_routes_give(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+
+    def schema_of(path: str, method: str, code: str, media: str = "application/json") -> dict:
+        return paths[path][method]["responses"][code]["content"][media]["schema"]
+
+    missing = client.get("/v1/documents/123456")
+    assert missing.status_code == 404
+    documented = schema_of("/v1/documents/{document_id}", "get", "404")
+    assert documented == {"$ref": "#/components/schemas/ErrorOut"}
+    assert set(missing.json()) == {"detail"}
+    assert schema_of("/v1/query", "post", "422") == {"$ref": "#/components/schemas/InvalidInputOut"}
+    openai_422 = schema_of("/v1/completions", "post", "422")
+    assert openai_422 == {"$ref": "#/components/schemas/OpenAIErrorOut"}
+    assert "text/event-stream" in paths["/v1/query"]["post"]["responses"]["200"]["content"]
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
