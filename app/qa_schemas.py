@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.schemas import COLLECTION_PATTERN
+from app.schemas import COLLECTION_PATTERN, RowId
 
 MAX_HISTORY_TURNS = 32
 # Questions and answers of a whole conversation together: far more than any context window
@@ -20,7 +20,7 @@ class TurnIn(BaseModel):
 
     question: str = Field(min_length=1)
     answer: str
-    chunk_ids: list[int] = Field(default_factory=list, max_length=100)
+    chunk_ids: list[RowId] = Field(default_factory=list, max_length=100)
 
     @field_validator("question")
     @classmethod
@@ -42,7 +42,7 @@ class QueryIn(BaseModel):
 
     question: str = Field(min_length=1)
     collection: str | None = Field(None, pattern=COLLECTION_PATTERN)
-    document_ids: list[int] | None = Field(None, max_length=10_000)
+    document_ids: list[RowId] | None = Field(None, max_length=10_000)
     top_k: int | None = Field(None, ge=1, le=100)
     candidates: int | None = Field(None, ge=1, le=1000)
     max_tokens: int | None = Field(None, ge=1)

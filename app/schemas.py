@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$"
+# Row ids are 32-bit on PostgreSQL: a bigger one is refused here rather than by the database.
+MAX_ROW_ID = 2**31 - 1
+RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
 
 
 class DocumentTextIn(BaseModel):
@@ -72,7 +75,7 @@ class SearchIn(BaseModel):
     top_k: int = Field(5, ge=1, le=100)
     candidates: int = Field(50, ge=1, le=1000)
     collection: str | None = None
-    document_ids: list[int] | None = Field(None, max_length=10_000)
+    document_ids: list[RowId] | None = Field(None, max_length=10_000)
 
     @field_validator("query")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -13,10 +13,13 @@ from starlette.concurrency import run_in_threadpool
 from app.auth import TenantDep
 from app.deps import IngestDep, SessionDep, StateDep
 from app.error_responses import COMMON_CODES, error_responses
-from app.schemas import DocumentAccepted, DocumentOut, DocumentPage
+from app.schemas import MAX_ROW_ID, DocumentAccepted, DocumentOut, DocumentPage
 from app.services.documents import get_document, list_documents
 from app.services.errors import NotReadyError
 from app.uploads import read_ingest_request
+
+# a document id that cannot exist is refused (422) before it reaches the database
+DocumentId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
 
 router = APIRouter(
     prefix="/v1/documents", tags=["documents"], responses=error_responses(*COMMON_CODES)
@@ -78,13 +81,13 @@ def list_all(
 
 
 @router.get("/{document_id}", response_model=DocumentOut, responses=error_responses(404))
-def get_one(document_id: int, session: SessionDep, tenant: TenantDep) -> DocumentOut:
+def get_one(document_id: DocumentId, session: SessionDep, tenant: TenantDep) -> DocumentOut:
     """One document with its status, chunk count and error."""
     return get_document(session, document_id, tenant)
 
 
 @router.delete("/{document_id}", status_code=204, responses=error_responses(404, 409))
-def delete_one(document_id: int, ingest: IngestDep, tenant: TenantDep) -> Response:
+def delete_one(document_id: DocumentId, ingest: IngestDep, tenant: TenantDep) -> Response:
     """Delete a document with its chunks and vectors."""
     ingest.delete(document_id, tenant)
     return Response(status_code=204)

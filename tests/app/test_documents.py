@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 
+import pytest
 from fastapi.testclient import TestClient
 
 from app.services.errors import DuplicateDocumentError
@@ -156,3 +157,17 @@ def test_concurrent_uploads_of_the_same_content_store_it_once(client: TestClient
     assert ingest.wait_idle(60)
     assert client.get("/v1/documents", params={"collection": "race"}).json()["total"] == 1
     assert index_ids(client) == chunk_ids(client, accepted[0])
+
+
+@pytest.mark.parametrize("document_id", [0, -1, 2**31, 2**63])
+def test_ids_that_cannot_exist_are_422_on_every_database(client: TestClient, document_id: int):
+    # PostgreSQL ids are 32-bit: a bigger one must not reach the database (it answered 500)
+    for response in (
+        client.get(f"/v1/documents/{document_id}"),
+        client.delete(f"/v1/documents/{document_id}"),
+        client.post("/v1/search", json={"query": "x", "document_ids": [document_id]}),
+        client.post("/v1/query", json={"question": "x", "document_ids": [document_id]}),
+    ):
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"]
+    assert client.get(f"/v1/documents/{2**31 - 1}").status_code == 404
