@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.openai_schemas import error_body
+from app.routes.openai import OPENAI_PATHS
 from app.settings import Settings
 
 UPLOAD_PATH = "/v1/documents"
@@ -38,7 +40,7 @@ class BodyLimitMiddleware:
         limit = self.limit_for(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await _too_large(limit, declared)(scope, receive, send)
+            await _too_large(limit, declared, scope["path"])(scope, receive, send)
             return
         seen = 0
 
@@ -80,5 +82,8 @@ def _message(limit: int, declared: int | None) -> str:
     return f"request body too large{size}: the limit here is {limit} bytes"
 
 
-def _too_large(limit: int, declared: int) -> Any:
-    return JSONResponse({"detail": _message(limit, declared)}, status_code=413)
+def _too_large(limit: int, declared: int, path: str) -> Any:
+    message = _message(limit, declared)
+    if path in OPENAI_PATHS:
+        return JSONResponse(error_body(message), status_code=413)
+    return JSONResponse({"detail": message}, status_code=413)

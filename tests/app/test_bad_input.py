@@ -142,6 +142,13 @@ def test_json_routes_have_their_own_smaller_body_limit(client: TestClient) -> No
     assert chunked.status_code == 413
     assert "too large" in chunked.json()["detail"]
     assert client.post("/v1/search", json={"query": "small"}).status_code == 200
+    declared = client.post(
+        "/v1/chat/completions",
+        content=b"{}",
+        headers={"content-type": "application/json", "content-length": str(limit + 1)},
+    )
+    assert declared.status_code == 413
+    assert "too large" in declared.json()["error"]["message"]  # OpenAI's shape on its routes
 
 
 def test_unparseable_body_is_400_in_each_routes_error_shape(client: TestClient) -> None:
