@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ class LoadConfig:
     num_seed_docs: int = 6
     url: str | None = None
     api_key: str | None = None
+    auth: bool = True  # a server this run starts gets a key, and every request sends it
     pid: int | None = None
     data_dir: Path | None = None
     out_dir: Path = RESULTS
@@ -212,6 +213,8 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
         server = None
         if cfg.url is None:
             server = ServerProcess(cfg.data_dir or Path(tmp) / "data", Path(tmp) / "server.log")
+            if cfg.auth and cfg.api_key is None:
+                cfg = replace(cfg, api_key=server.create_key("load"))
             server.start()
         url = cfg.url or server.url  # type: ignore[union-attr]
         pid = server.pid if server else cfg.pid
@@ -253,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-docs", type=int, default=6)
     p.add_argument("--url", default=None, help="target a running server instead of starting one")
     p.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="the server this run starts stays open (default: it gets a key, sent by every client)",
+    )
     p.add_argument("--pid", type=int, default=None, help="with --url: server pid for RSS")
     p.add_argument("--data-dir", type=Path, default=None, help="default: a fresh temp dir")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -277,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             num_seed_docs=args.seed_docs,
             url=args.url,
             api_key=args.api_key,
+            auth=not args.no_auth,
             pid=args.pid,
             data_dir=args.data_dir,
             out_dir=args.out_dir,

@@ -62,6 +62,13 @@ class ServerProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    def create_key(self, name: str) -> str:
+        """A new API key for tenant `name` in this server's data dir (`prefixrag keys create`):
+        from then on the server refuses requests without it."""
+        argv = [sys.executable, "-c", _SERVE, "keys", "create", "--name", name]
+        done = subprocess.run(argv, env=self._env, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
     def start(self) -> None:
         """Launch the server; returns at once (see `wait_ready`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
