@@ -33,7 +33,7 @@ from app.settings import get_settings, packaged_llm_path
 from bench.engine_overhead import measure as measure_overhead
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepItem
 from engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -161,6 +161,22 @@ def concurrent(
     return result, [outputs[w] for w in engines]
 
 
+def teacher_forced_top1(config: EngineConfig, prompts: list[list[int]], fp32: list[list[int]]):
+    """Fraction of the fp32 engine's greedy tokens that an int8 model also ranks first when fed
+    the same text (prompt + fp32 tokens so far): per-token agreement without drift."""
+    runner = ModelRunner(
+        config.model, num_blocks=64, cache_dir=config.cache_dir, weight_quant="int8"
+    )
+    same = total = 0
+    for prompt, out in zip(prompts, fp32, strict=True):
+        ids = prompt + out[:-1]
+        blocks = list(range(-(-len(ids) // runner.block_size)))
+        logits = runner.run([StepItem(ids, 0, blocks)], all_logits=True)[len(prompt) - 1 :]
+        same += int((logits.argmax(-1) == torch.tensor(out)).sum())
+        total += len(out)
+    return same / total
+
+
 def greedy_agreement(fp32: list[list[int]], int8: list[list[int]]) -> dict:
     """Position-wise identical tokens, and tokens before each sequence's first difference
     (after a first difference the two continue from different text, so both are reported)."""
@@ -276,6 +292,9 @@ def main() -> None:
         "int8_greedy_agreement_with_fp32": greedy_agreement(
             [decode_ids[0], *many_ids[0]], [decode_ids[1], *many_ids[1]]
         ),
+        "int8_teacher_forced_top1_with_fp32": teacher_forced_top1(
+            config, [chat_prompt, *concurrent_prompts], [decode_ids[0], *many_ids[0]]
+        ),
         "kv_bytes_per_token": kv_bytes(engine),
     }
     overhead = measure_overhead("cache_on", 64, 500, 0)
@@ -301,6 +320,8 @@ def summarize(result: dict, args: argparse.Namespace) -> None:
         ratios = ", ".join(f"{w} {r[f'ratio_{w}']:.2f}x" for w in WEIGHTS)
         print(f"{key}: ours/transformers = {ratios} (goal >= {goal}x)  {r}")
     print(f"int8 greedy agreement with fp32: {result['int8_greedy_agreement_with_fp32']}")
+    top1 = result["int8_teacher_forced_top1_with_fp32"]
+    print(f"int8 top-1 = fp32's greedy token, fed fp32's text: {top1:.3f}")
     print(f"KV bytes/token: {result['kv_bytes_per_token']}")
 
 
