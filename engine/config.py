@@ -33,7 +33,9 @@ class EngineConfig:
     memory (``gpu_memory_fraction`` of the device); ``max_model_len=None`` means the model's own
     limit. ``max_num_batched_tokens`` must cover one decode token for each of ``max_num_seqs``.
     ``weight_quant``: ``int8`` stores the matmul weights as per-channel int8 (CPU only); ``auto``
-    picks int8 for float32 on CPU, ``none`` elsewhere; ``none`` keeps them in ``dtype``.
+    picks int8 for float32 on CPU, ``none`` elsewhere; ``none`` (the default) keeps them in
+    ``dtype``. int8 is opt-in: its bf16 activations make greedy output depend on how tokens were
+    batched, so prefix cache on and off are only exactly equal in ``none``.
     """
 
     model: str
@@ -46,7 +48,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     dtype: str = "auto"
-    weight_quant: str = "auto"
+    weight_quant: str = "none"
     device: str = "auto"
     cache_dir: str | None = None
     max_model_len: int | None = None

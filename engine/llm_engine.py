@@ -77,6 +77,7 @@ class LLMEngine:
             cache_dir=config.cache_dir,
             max_model_len=config.max_model_len,
             gpu_memory_fraction=config.gpu_memory_fraction,
+            weight_quant=config.weight_quant,
         )
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(

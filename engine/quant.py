@@ -5,8 +5,13 @@ is a quarter of the fp32 bytes. The matmul runs ``torch._weight_int8pack_mm``, w
 bfloat16 activations and scales and returns bfloat16: on CPU its fp32 variant is not vectorized
 (slower than fp32 ``F.linear``), while the bf16 one reads the int8 weights 3-5x faster.
 So an int8 linear computes ``bf16(x) @ dequantize(w).T`` with float32 accumulation, rounded to
-bf16, and hands back the caller's dtype. Large batches (prefill chunks) are compute-bound, where
-that kernel loses to dequantizing once and running the caller's dtype GEMM, so they do that.
+bf16, and hands back the caller's dtype.
+
+Every batch size takes the same kernel. Its rows are computed independently (a row's result does
+not depend on how many rows share the call), so a token gets the same logits whether it is
+prefilled in a big chunk, recomputed after a preemption or decoded alone: greedy output stays
+identical with the prefix cache on and off. (Switching to a dequantize-then-float GEMM for big
+batches, which is up to ~15% faster at 512+ rows, would break that.)
 """
 
 from __future__ import annotations
@@ -23,11 +28,8 @@ if TYPE_CHECKING:
 WEIGHT_QUANTS = ("auto", "none", "int8")
 INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
-# multiple of 16 (measured on AVX-512); other shapes take the dequantize-then-matmul path.
+# multiple of 16 (measured on AVX-512); other shapes are padded with zeros up to one.
 _PACK_MM_K_MULTIPLE = 16
-# NOTE: above ~256 rows the int8 kernel is slower than dequantize + fp32 GEMM (measured on one
-# AVX-512 core: equal at 256, 10-45% slower at 512-2048).
-_PACK_MM_MAX_ROWS = 256
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,36 +60,34 @@ class Int8Weight(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         q, scales = quantize_per_channel(weight)
-        self.register_buffer("qweight", q)
+        self.in_features = q.shape[1]
+        # zero columns up to the kernel's multiple of 16 (they add nothing to any dot product)
+        self.pad = -self.in_features % _PACK_MM_K_MULTIPLE
+        self.register_buffer("qweight", F.pad(q, (0, self.pad)))
         self.register_buffer("scales", scales.to(torch.bfloat16))
 
     @property
     def shape(self) -> torch.Size:
-        return self.qweight.shape
+        return torch.Size((self.qweight.shape[0], self.in_features))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix this weight stands for."""
-        return dequantize(self.qweight, self.scales)
+        return dequantize(self.qweight[:, : self.in_features], self.scales)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T``: x [..., K] -> [..., N] in x's dtype (small batches take bf16 activations,
-        see the module doc)."""
+        """``x @ W.T``: x [..., K] -> [..., N] in x's dtype (through bf16 activations, see the
+        module doc)."""
         lead, k = x.shape[:-1], x.shape[-1]
+        if k != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {k}")
         x2 = x.reshape(-1, k)
-        if self._takes_pack_mm(x2):
-            out = torch._weight_int8pack_mm(
-                x2.to(torch.bfloat16).contiguous(), self.qweight, self.scales
-            )
-            return out.to(x.dtype).reshape(*lead, -1)
-        return F.linear(x, self.dequantize().to(x.dtype))
-
-    def _takes_pack_mm(self, x2: torch.Tensor) -> bool:
-        rows, k = x2.shape
-        return (
-            x2.device.type == "cpu"
-            and k % _PACK_MM_K_MULTIPLE == 0
-            and 0 < rows <= _PACK_MM_MAX_ROWS
-        )
+        if x2.device.type != "cpu":
+            raise ValueError("int8 weights run on CPU only")
+        if x2.shape[0] == 0:
+            return x.new_zeros(*lead, self.qweight.shape[0])
+        x2 = F.pad(x2.to(torch.bfloat16), (0, self.pad)).contiguous()
+        out = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        return out.to(x.dtype).reshape(*lead, -1)
 
 
 def linear(
