@@ -4,11 +4,12 @@ demand); build the BM25 index from the database at start."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import delete, select, update
+from sqlalchemy import Row, delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.models import Chunk, Document
@@ -96,6 +97,32 @@ def _embed_chunks(
             index.add(ids, embedder.encode([r[1] for r in rows]))
 
 
+def iter_ready_chunks(
+    sessions: sessionmaker[Session], columns: tuple[Any, ...], batch_size: int
+) -> Iterator[Sequence[Row[Any]]]:
+    """Rows (id, *columns) of every ready chunk in id order, `batch_size` at a time.
+
+    Keyset pagination (id > last id), so a large corpus is never loaded whole and no batch is
+    skipped or repeated the way OFFSET could be.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    last_id = -1
+    with sessions() as session:
+        while True:
+            rows = session.execute(
+                select(Chunk.id, *columns)
+                .join(Document)
+                .where(Document.status == "ready", Chunk.id > last_id)
+                .order_by(Chunk.id)
+                .limit(batch_size)
+            ).all()
+            if not rows:
+                return
+            yield rows
+            last_id = int(rows[-1][0])
+
+
 def rebuild_index(
     sessions: sessionmaker[Session],
     index: VectorIndex,
@@ -104,26 +131,12 @@ def rebuild_index(
     batch_size: int = 256,
 ) -> int:
     """Empty the index, re-embed every ready chunk's text, save; returns the vector count."""
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
     index.reset()
     num_vectors = 0
-    last_id = -1
-    with sessions() as session:
-        while True:
-            rows = session.execute(
-                select(Chunk.id, Chunk.text)
-                .join(Document)
-                .where(Document.status == "ready", Chunk.id > last_id)
-                .order_by(Chunk.id)
-                .limit(batch_size)
-            ).all()
-            if not rows:
-                break
-            ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-            index.add(ids, embedder.encode([r[1] for r in rows]))
-            num_vectors += len(rows)
-            last_id = int(ids[-1])
+    for rows in iter_ready_chunks(sessions, (Chunk.text,), batch_size):
+        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+        index.add(ids, embedder.encode([r[1] for r in rows]))
+        num_vectors += len(rows)
     index.save()
     logger.info("rebuilt the vector index: %d vectors", num_vectors)
     return num_vectors
@@ -139,26 +152,12 @@ def rebuild_lexical_index(
     """
     from retrieval.lexical import searchable_text
 
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
     lexical.reset()
     num_chunks = 0
-    last_id = -1
-    with sessions() as session:
-        while True:
-            rows = session.execute(
-                select(Chunk.id, Chunk.text, Chunk.heading)
-                .join(Document)
-                .where(Document.status == "ready", Chunk.id > last_id)
-                .order_by(Chunk.id)
-                .limit(batch_size)
-            ).all()
-            if not rows:
-                break
-            ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-            lexical.add(ids, [searchable_text(r[1], r[2]) for r in rows])
-            num_chunks += len(rows)
-            last_id = int(ids[-1])
+    for rows in iter_ready_chunks(sessions, (Chunk.text, Chunk.heading), batch_size):
+        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+        lexical.add(ids, [searchable_text(r[1], r[2]) for r in rows])
+        num_chunks += len(rows)
     logger.info("built the BM25 index: %d chunks", num_chunks)
     return num_chunks
 
