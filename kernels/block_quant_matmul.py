@@ -1,0 +1,186 @@
+"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0), beside its torch reference.
+
+A :class:`BlockQuantWeight` keeps a weight matrix [N, K] in the checkpoint's own 32-element
+blocks, split into planes the kernel reads directly: 4-bit codes and per-block float32 scale ``d``
+and offset ``m`` (w = d * code + m), or int8 codes and ``d`` (w = d * code). For
+SmolLM2's Q4_1 layers that is 0.75 bytes a weight instead of float32's 4, and decode, which must
+read every weight once per step, is bandwidth-bound. The float32 matrix it stands for is exactly
+gguf's dequantization, so logits stay those of the dequantized model up to summation order.
+
+``block_quant_matmul`` is the C kernel (csrc/block_quant_matmul.c); ``block_quant_matmul_torch``
+is the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.native_build import DEFAULT_FLAGS, load_library
+
+QBLOCK = 32
+MAX_K = 16384
+_KIND = {"q4": 4, "q8": 8}
+# GGUF block sizes in bytes: fp16 d [, fp16 m], codes
+_Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
+SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass(slots=True)
+class BlockQuantWeight:
+    """A [N, K] matrix as block planes: ``kind`` ``q4`` (codes uint8 [N, K/2], d and m float32
+    [N, K/32]) or ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None)."""
+
+    kind: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND:
+            raise ValueError(f"kind must be q4 or q8, got {self.kind!r}")
+        if self.d.dtype != torch.float32 or self.d.dim() != 2:
+            raise ValueError("d must be a 2-D float32 tensor [N, K/32]")
+        n, nb = self.d.shape
+        want = (
+            (torch.uint8, (n, nb * QBLOCK // 2))
+            if self.kind == "q4"
+            else (torch.int8, (n, nb * QBLOCK))
+        )
+        if self.codes.dtype != want[0] or tuple(self.codes.shape) != want[1]:
+            raise ValueError(
+                f"{self.kind} codes must be {want[0]} {want[1]}, "
+                f"got {self.codes.dtype} {tuple(self.codes.shape)}"
+            )
+        if (self.kind == "q4") != (self.m is not None):
+            raise ValueError("q4 weights need m; q8 weights take none")
+        if self.m is not None and self.m.shape != self.d.shape:
+            raise ValueError(f"m {tuple(self.m.shape)} must match d {tuple(self.d.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.d.shape[0], self.d.shape[1] * QBLOCK))
+
+    @property
+    def nbytes(self) -> int:
+        planes = (self.codes, self.d) if self.m is None else (self.codes, self.d, self.m)
+        return sum(p.numel() * p.element_size() for p in planes)
+
+    def select_rows(self, index: torch.Tensor) -> BlockQuantWeight:
+        """The rows ``index`` (a row permutation or a subset), as a new weight."""
+        m = None if self.m is None else self.m[index].contiguous()
+        return BlockQuantWeight(
+            self.kind, self.codes[index].contiguous(), self.d[index].contiguous(), m
+        )
+
+    @staticmethod
+    def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
+        """Stack weights of one kind and K along N (fused q/k/v, gate/up)."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)}")
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
+        return BlockQuantWeight(
+            parts[0].kind,
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.d for p in parts]),
+            m,
+        )
+
+
+def from_gguf_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> BlockQuantWeight:
+    """Split a GGUF tensor's raw blocks (uint8, any shape) of ``gguf_type`` into planes.
+
+    ``shape`` is (N, K), rows first, as gguf's dequantizer returns the matrix.
+    """
+    n, k = shape
+    if k % QBLOCK:
+        raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
+    size = {"Q4_0": _Q4_0_BYTES, "Q4_1": _Q4_1_BYTES, "Q8_0": _Q8_0_BYTES}.get(gguf_type)
+    if size is None:
+        raise ValueError(f"{gguf_type} is not one of {', '.join(SUPPORTED_GGUF_TYPES)}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QBLOCK, size)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if gguf_type == "Q8_0":
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return BlockQuantWeight("q8", torch.from_numpy(codes), torch.from_numpy(d), None)
+    if gguf_type == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = blocks[..., 4:]
+    else:  # Q4_0: w = d * (code - 8) = d * code + (-8 d), exact in float32
+        m = -8.0 * d
+        codes = blocks[..., 2:]
+    codes = np.ascontiguousarray(codes).reshape(n, k // 2)
+    return BlockQuantWeight("q4", torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:
+    """The float32 matrix [N, K] in torch (the reference)."""
+    n, k = w.shape
+    d = w.d.repeat_interleave(QBLOCK, dim=1)
+    if w.kind == "q8":
+        return w.codes.float() * d
+    blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(n, k).float()
+    return torch.addcmul(w.m.repeat_interleave(QBLOCK, dim=1), d, codes)  # type: ignore[union-attr]
+
+
+def block_quant_matmul_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
+    """``x @ W.T`` through the dequantized matrix (the reference)."""
+    return x.float() @ dequantize_torch(w).T
+
+
+def _check(x: torch.Tensor, w: BlockQuantWeight) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    k = w.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
+    if k > MAX_K:
+        raise ValueError(f"K = {k} is over the kernel's limit of {MAX_K}")
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def block_quant_matmul(
+    x: torch.Tensor, w: BlockQuantWeight, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """``x @ W.T`` for float32 x [..., K] -> [..., N], the weight expanded row by row in cache.
+
+    A row's result does not depend on how many rows share the call. ``flags`` picks the build
+    (tests build the portable path with ``-mno-avx512f``).
+    """
+    _check(x, w)
+    n, k = w.shape
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        lib = load_library("block_quant_matmul.c", flags)
+        rc = lib.block_quant_matmul(
+            ctypes.c_int(_KIND[w.kind]), _ptr(x2), _ptr(w.codes), _ptr(w.d), _ptr(w.m),
+            _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"block_quant_matmul rejected K = {k}")
+    return out.reshape(*x.shape[:-1], n)
+
+
+def block_quant_dequantize(
+    w: BlockQuantWeight, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """The float32 matrix [N, K] through the C kernel (bit-identical to gguf's dequantizer)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib = load_library("block_quant_matmul.c", flags)
+    rc = lib.block_quant_dequantize(
+        ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(out),
+        ctypes.c_int64(n), ctypes.c_int64(k),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"block_quant_dequantize rejected K = {k}")
+    return out

@@ -1,0 +1,128 @@
+"""The block-quantized CPU matmul against its torch reference and against gguf's dequantizer."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from app.settings import packaged_llm_path
+from kernels.block_quant_matmul import (
+    BlockQuantWeight,
+    block_quant_dequantize,
+    block_quant_matmul,
+    block_quant_matmul_torch,
+    dequantize_torch,
+    from_gguf_blocks,
+)
+from kernels.native_build import DEFAULT_FLAGS
+
+# the portable C path, built without AVX-512, must agree too
+PORTABLE_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
+BUILDS = pytest.mark.parametrize(
+    "flags", [DEFAULT_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"]
+)
+
+
+def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw GGUF blocks with random codes and sane fp16 scales, [n, k/32 * block bytes]."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    if gguf_type == "Q8_0":
+        codes = rng.integers(-127, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+        return np.concatenate([d, codes], axis=-1).reshape(n, -1)
+    codes = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    if gguf_type == "Q4_0":
+        return np.concatenate([d, codes], axis=-1).reshape(n, -1)
+    m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    return np.concatenate([d, m, codes], axis=-1).reshape(n, -1)
+
+
+def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(n, k))
+
+
+@BUILDS
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (33, 576), (64, 1536)])
+def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
+    raw = random_gguf_blocks(gguf_type, n, k, seed=n + k)
+    w = from_gguf_blocks(raw, gguf_type, (n, k))
+    expected = gguf_reference(raw, gguf_type, n, k)
+    assert torch.equal(dequantize_torch(w), expected)
+    assert torch.equal(block_quant_dequantize(w, flags), expected)
+
+
+@BUILDS
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 5, 32), (3, 40, 160), (8, 96, 576), (17, 9, 1536)]
+)
+def test_matmul_matches_reference(flags, gguf_type, rows, n, k):
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=rows), gguf_type, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    got = block_quant_matmul(x, w, flags)
+    torch.testing.assert_close(got, block_quant_matmul_torch(x, w), atol=1e-4, rtol=1e-5)
+
+
+@BUILDS
+def test_a_row_does_not_depend_on_its_batch(flags):
+    n, k = 70, 576
+    w = from_gguf_blocks(random_gguf_blocks("Q4_1", n, k, seed=1), "Q4_1", (n, k))
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
+    full = block_quant_matmul(x, w, flags)
+    for r in (0, 5, 12):
+        assert torch.equal(block_quant_matmul(x[r : r + 1], w, flags)[0], full[r])
+    assert torch.equal(block_quant_matmul(x[3:9], w, flags), full[3:9])
+
+
+def test_leading_dims_and_empty_batch():
+    w = from_gguf_blocks(random_gguf_blocks("Q8_0", 6, 64, seed=3), "Q8_0", (6, 64))
+    x = torch.randn(2, 3, 64)
+    assert block_quant_matmul(x, w).shape == (2, 3, 6)
+    torch.testing.assert_close(block_quant_matmul(x, w), block_quant_matmul_torch(x, w))
+    assert block_quant_matmul(torch.empty(0, 64), w).shape == (0, 6)
+
+
+def test_bad_inputs_raise_value_error():
+    w = from_gguf_blocks(random_gguf_blocks("Q4_1", 4, 64, seed=4), "Q4_1", (4, 64))
+    with pytest.raises(ValueError, match="features"):
+        block_quant_matmul(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="float32"):
+        block_quant_matmul(torch.randn(1, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        from_gguf_blocks(np.zeros(40, np.uint8), "Q4_1", (1, 40))
+    with pytest.raises(ValueError, match="Q6_K is not one of"):
+        from_gguf_blocks(np.zeros(20, np.uint8), "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="need m"):
+        BlockQuantWeight("q4", w.codes, w.d, None)
+    with pytest.raises(ValueError, match="codes must be"):
+        BlockQuantWeight("q8", w.codes, w.d, None)
+
+
+def test_fuse_and_permute_rows_keep_the_matrix():
+    parts = [
+        from_gguf_blocks(random_gguf_blocks("Q4_1", n, 64, seed=n), "Q4_1", (n, 64)) for n in (3, 5)
+    ]
+    fused = BlockQuantWeight.cat(parts)
+    expected = torch.cat([dequantize_torch(p) for p in parts])
+    assert torch.equal(dequantize_torch(fused), expected)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(dequantize_torch(fused.select_rows(perm)), expected[perm])
+
+
+def test_packaged_model_tensors_dequantize_exactly():
+    # every block format the packaged SmolLM2 uses: Q4_1 layers and the Q8_0 embedding / LM head
+    reader = gguf.GGUFReader(packaged_llm_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.29.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        n, k = int(t.shape[1]), int(t.shape[0])
+        w = from_gguf_blocks(t.data, t.tensor_type.name, (n, k))
+        expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+        assert torch.equal(block_quant_dequantize(w), expected.float())
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(block_quant_matmul(x, w), x @ expected.float().T)
