@@ -8,6 +8,8 @@ Measures (medians over --repeats):
 - int8 weights (``weight_quant=int8``): every figure above for our engine with fp32 weights and
   with int8 weights side by side, interleaved so machine noise hits both, plus how many of the
   int8 engine's greedy decode tokens equal the fp32 engine's;
+- gguf blocks (``weight_quant=gguf``): the same figures on the file's own Q4_1/Q8_0 blocks, and
+  how many of its greedy tokens equal the fp32 engine's (the same matrices: all, barring ties);
 - KV bytes per token against 2 * layers * kv_heads * head_dim * dtype bytes;
 - engine overhead per decode step (scheduler + cache bookkeeping, no model) at 64 sequences.
 
@@ -39,7 +41,9 @@ from engine.sampling_params import SamplingParams
 RESULTS = Path(__file__).parent / "results"
 # A real long English text that every Debian machine has.
 SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
-WEIGHTS = ("fp32", "int8")  # our engine's two weight formats, keys of every per-engine figure
+# our engine's weight formats, keys of every per-engine figure: float32, per-channel int8 (bf16
+# activations), and the GGUF file's own Q4_1/Q8_0 blocks (the same model as fp32, less to read)
+WEIGHTS = ("fp32", "int8", "gguf")
 GOALS = {"prefill": 1, "decode_batch1": 3, "concurrent": 5}
 
 
@@ -221,13 +225,15 @@ def plot(result: dict, path: Path) -> None:
     names = [f"{kind}\n{w}" for w in WEIGHTS for kind in ("cold", "warm")]
     values = [result["ttft"][w][f"{kind}_ttft_ms"] for w in WEIGHTS for kind in ("cold", "warm")]
     left.bar(names, values, color=["#888", "#2a7"] * len(WEIGHTS))
+    left.tick_params(axis="x", labelsize=8)
     left.set_ylabel("TTFT (ms)")
     left.set_title(f"{result['prefix_tokens']}-token prefix + {result['suffix_tokens']} new")
     x = range(len(GOALS))
-    width = 0.38
-    for i, (w, color) in enumerate(zip(WEIGHTS, ("#36c", "#e80"), strict=True)):
+    width = 0.8 / len(WEIGHTS)
+    for i, (w, color) in enumerate(zip(WEIGHTS, ("#36c", "#e80", "#2a7"), strict=True)):
         ratios = [result[key][f"ratio_{w}"] for key in GOALS]
-        right.bar([p + (i - 0.5) * width for p in x], ratios, width, color=color, label=f"ours {w}")
+        offset = (i - (len(WEIGHTS) - 1) / 2) * width
+        right.bar([p + offset for p in x], ratios, width, color=color, label=f"ours {w}")
     right.scatter(list(x), list(GOALS.values()), color="red", marker="_", s=1500, label="goal")
     right.set_xticks(
         list(x), ["prefill", "decode b=1", f"decode x{result['concurrent']['num_requests']}"]
@@ -292,6 +298,9 @@ def main() -> None:
         "int8_greedy_agreement_with_fp32": greedy_agreement(
             [decode_ids[0], *many_ids[0]], [decode_ids[1], *many_ids[1]]
         ),
+        "gguf_greedy_agreement_with_fp32": greedy_agreement(
+            [decode_ids[0], *many_ids[0]], [decode_ids[2], *many_ids[2]]
+        ),
         "int8_teacher_forced_top1_with_fp32": teacher_forced_top1(
             config, [chat_prompt, *concurrent_prompts], [decode_ids[0], *many_ids[0]]
         ),
@@ -320,6 +329,7 @@ def summarize(result: dict, args: argparse.Namespace) -> None:
         ratios = ", ".join(f"{w} {r[f'ratio_{w}']:.2f}x" for w in WEIGHTS)
         print(f"{key}: ours/transformers = {ratios} (goal >= {goal}x)  {r}")
     print(f"int8 greedy agreement with fp32: {result['int8_greedy_agreement_with_fp32']}")
+    print(f"gguf greedy agreement with fp32: {result['gguf_greedy_agreement_with_fp32']}")
     top1 = result["int8_teacher_forced_top1_with_fp32"]
     print(f"int8 top-1 = fp32's greedy token, fed fp32's text: {top1:.3f}")
     print(f"KV bytes/token: {result['kv_bytes_per_token']}")

@@ -15,9 +15,10 @@ from torch import nn
 from engine.attention import SeqSpan, build_attention_metadata, make_backend
 from engine.model import ForwardContext, LlamaModel
 from engine.model_config import ModelConfig
-from engine.quant import quantize_model_, resolve_weight_quant
+from engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
+from engine.weights.gguf_blocks import load_gguf_block_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
@@ -202,6 +203,12 @@ class ModelRunner:
         else:
             model.load_hf_weights(tensors)
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.weight_quant == "gguf":
+            if not self.model_path.lower().endswith(".gguf"):
+                raise ValueError(
+                    f"weight_quant gguf needs a .gguf checkpoint, not {self.model_path}"
+                )
+            use_block_weights_(model, load_gguf_block_weights(self.model_path, config))
         if self.weight_quant == "int8":
             quantize_model_(model)
         return model

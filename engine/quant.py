@@ -22,10 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize, block_quant_matmul
+
 if TYPE_CHECKING:
     from engine.model import LlamaModel
 
-WEIGHT_QUANTS = ("auto", "none", "int8")
+WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
+# NOTE: up to this many rows a block weight runs the fused kernel (decode: bandwidth-bound);
+# past it, prefill is compute-bound and a float32 GEMM over the dequantized matrix wins.
+BLOCK_KERNEL_MAX_ROWS = 16
 INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
 # multiple of 16 (measured on AVX-512); other shapes are padded with zeros up to one.
@@ -93,9 +98,18 @@ class Int8Weight(nn.Module):
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | Int8Weight | BlockQuantWeight,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear`` for a plain or an :class:`Int8Weight` matrix."""
+    """``F.linear`` for a plain, an :class:`Int8Weight` or a :class:`BlockQuantWeight` matrix."""
+    if isinstance(weight, BlockQuantWeight):
+        rows = x.numel() // x.shape[-1]
+        if rows <= BLOCK_KERNEL_MAX_ROWS:
+            out = block_quant_matmul(x, weight)
+        else:
+            out = F.linear(x, block_quant_dequantize(weight))
+        return out if bias is None else out + bias
     if isinstance(weight, Int8Weight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
@@ -103,7 +117,8 @@ def linear(
 
 
 def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` is int8 for float32 models on CPU and none elsewhere; int8 needs CPU.
+    """``auto`` is int8 for float32 models on CPU and none elsewhere; int8 needs CPU; ``gguf``
+    (keep a GGUF file's own Q4_0/Q4_1/Q8_0 blocks) needs CPU and float32.
 
     Raises ValueError for an unknown choice or int8 off the CPU.
     """
@@ -113,6 +128,8 @@ def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.d
         )
     if weight_quant == "auto":
         return "int8" if device.type == "cpu" and dtype == torch.float32 else "none"
+    if weight_quant == "gguf" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError("gguf block weights run on CPU in float32 only")
     if weight_quant == "int8" and device.type != "cpu":
         raise ValueError(f"int8 weight quantization runs on CPU only, not {device.type}")
     return weight_quant
@@ -139,3 +156,19 @@ def _swap(module: nn.Module, name: str) -> None:
     weight = getattr(module, name)
     delattr(module, name)
     setattr(module, name, Int8Weight(weight.detach()))
+
+
+def use_block_weights_(model: LlamaModel, blocks: dict[str, BlockQuantWeight]) -> None:
+    """Swap in block weights by attribute path (``layers.3.mlp.down_weight``); each must have
+    the shape of the matrix it replaces."""
+    for path, weight in blocks.items():
+        *owner_path, name = path.split(".")
+        owner = model.get_submodule(".".join(owner_path)) if owner_path else model
+        current = getattr(owner, name, None)
+        if name == "lm_head_weight" and current is None:
+            current = model.embed_weight  # tied head: the lookup table stays float
+        if current is None or tuple(current.shape) != tuple(weight.shape):
+            raise ValueError(f"{path}: block weight {tuple(weight.shape)} fits no matrix there")
+        if name in owner._parameters:
+            delattr(owner, name)
+        setattr(owner, name, weight)

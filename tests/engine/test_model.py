@@ -28,11 +28,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["none", "gguf"])
 def runner(request) -> ModelRunner:
     # The pytest cache keeps converted weights between runs, so only the first run dequantizes.
+    # "gguf" keeps the file's own Q4_1/Q8_0 blocks: the same matrices, read by the block kernel.
     cache_dir = request.config.cache.mkdir("prefixrag-engine-models")
-    return ModelRunner(packaged_llm_path(), block_size=8, num_blocks=64, cache_dir=cache_dir)
+    return ModelRunner(
+        packaged_llm_path(),
+        block_size=8,
+        num_blocks=64,
+        cache_dir=cache_dir,
+        weight_quant=request.param,
+    )
 
 
 @pytest.fixture(scope="module")

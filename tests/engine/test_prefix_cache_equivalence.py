@@ -1,5 +1,6 @@
 """The invariant of the prefix cache: greedy output with the cache on equals output with it off,
-whatever was cached before and whatever shares the batch."""
+whatever was cached before and whatever shares the batch. Every test runs on float32 weights
+and on the GGUF file's own blocks (``weight_quant="gguf"``, the block kernel on decode)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,21 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine_on(request: pytest.FixtureRequest) -> LLMEngine:
-    return make_engine(request, block_size=BLOCK)
+@pytest.fixture(scope="module", params=["none", "gguf"])
+def weight_quant(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def engine_off(request: pytest.FixtureRequest) -> LLMEngine:
-    return make_engine(request, block_size=BLOCK, enable_prefix_cache=False)
+def engine_on(request: pytest.FixtureRequest, weight_quant: str) -> LLMEngine:
+    return make_engine(request, block_size=BLOCK, weight_quant=weight_quant)
+
+
+@pytest.fixture(scope="module")
+def engine_off(request: pytest.FixtureRequest, weight_quant: str) -> LLMEngine:
+    return make_engine(
+        request, block_size=BLOCK, enable_prefix_cache=False, weight_quant=weight_quant
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +91,12 @@ def test_mixed_batch_with_hits_and_misses_matches_cache_off(engine_on, engine_of
     assert on_cached[0] > 0 and on_cached[2] > 0 and on_cached[1] == 0
 
 
-def test_after_evictions_matches_cache_off(request, prompts, reference):
+def test_after_evictions_matches_cache_off(request, weight_quant, prompts, reference):
     # Each request needs 8 blocks (about 60 prompt + 64 new tokens) and the pool has 12, so
     # every run must evict blocks cached by the runs before it.
-    small = make_engine(request, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2)
+    small = make_engine(
+        request, block_size=BLOCK, num_kv_blocks=12, max_num_seqs=2, weight_quant=weight_quant
+    )
     outputs = [greedy_ids(small, [p])[0][0] for p in (*prompts, prompts[0], prompts[1])]
     assert small.cache_stats()["evicted_blocks"] > 0
     assert outputs == [*reference, reference[0], reference[1]]

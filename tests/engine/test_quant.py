@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from app.settings import packaged_llm_path
 from engine.config import EngineConfig
@@ -207,3 +208,19 @@ def test_int8_greedy_output_is_the_same_with_prefix_cache_on_and_off(request):
     assert [first.token_ids, second.token_ids] == expected
     both = on.generate(prompts, params)  # both fully cached prompts in one batch
     assert [r.token_ids for r in both] == expected
+
+
+def test_gguf_weight_quant_needs_cpu_float32_and_a_gguf_file(tmp_path):
+    cpu = torch.device("cpu")
+    assert resolve_weight_quant("gguf", cpu, torch.float32) == "gguf"
+    with pytest.raises(ValueError, match="CPU in float32"):
+        resolve_weight_quant("gguf", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU in float32"):
+        resolve_weight_quant("gguf", torch.device("cuda"), torch.float32)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"needs a \.gguf checkpoint"):
+        ModelRunner(tmp_path, num_blocks=4, weight_quant="gguf")
