@@ -64,11 +64,6 @@ class BlockQuantWeight:
     def shape(self) -> torch.Size:
         return torch.Size((self.d.shape[0], self.d.shape[1] * QBLOCK))
 
-    @property
-    def nbytes(self) -> int:
-        planes = (self.codes, self.d) if self.m is None else (self.codes, self.d, self.m)
-        return sum(p.numel() * p.element_size() for p in planes)
-
     def select_rows(self, index: torch.Tensor) -> BlockQuantWeight:
         """The rows ``index`` (a row permutation or a subset), as a new weight."""
         m = None if self.m is None else self.m[index].contiguous()

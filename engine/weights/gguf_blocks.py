@@ -13,7 +13,12 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.weights.gguf_loader import unpermute_rotary_rows
-from kernels.block_quant_matmul import SUPPORTED_GGUF_TYPES, BlockQuantWeight, from_gguf_blocks
+from kernels.block_quant_matmul import (
+    MAX_K,
+    SUPPORTED_GGUF_TYPES,
+    BlockQuantWeight,
+    from_gguf_blocks,
+)
 
 
 def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:
@@ -24,7 +29,8 @@ def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:
 def load_gguf_block_weights(path: str, config: ModelConfig) -> dict[str, BlockQuantWeight]:
     """Block weights by model attribute (``layers.3.attn.qkv_weight``, ``lm_head_weight``).
 
-    A matrix is left out when any of its parts is in a block format the kernel lacks.
+    A matrix is left out (it stays float32) when any of its parts is in a block format the kernel
+    lacks, or is wider than the kernel's row buffer (``MAX_K``).
     """
     reader = gguf.GGUFReader(path)
     raw = {t.name: t for t in reader.tensors}
@@ -35,6 +41,8 @@ def load_gguf_block_weights(path: str, config: ModelConfig) -> dict[str, BlockQu
         if t is None or t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             return None
         shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
+        if shape[1] > MAX_K:
+            return None
         w = from_gguf_blocks(t.data, t.tensor_type.name, shape)
         if is_permuted and num_heads is not None:
             w = w.select_rows(_rotary_row_order(shape[0], num_heads))

@@ -224,3 +224,21 @@ def test_gguf_weight_quant_needs_cpu_float32_and_a_gguf_file(tmp_path):
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"needs a \.gguf checkpoint"):
         ModelRunner(tmp_path, num_blocks=4, weight_quant="gguf")
+
+
+def test_block_weights_leave_out_matrices_the_kernel_cannot_take(monkeypatch):
+    import gguf
+
+    from engine.model_config import ModelConfig
+    from engine.weights import gguf_blocks
+    from engine.weights.gguf_loader import read_gguf_metadata
+
+    meta = read_gguf_metadata(gguf.GGUFReader(packaged_llm_path()))
+    config = ModelConfig.from_gguf_metadata(meta, has_output_weight=False)
+    all_blocks = gguf_blocks.load_gguf_block_weights(packaged_llm_path(), config)
+    assert f"layers.{config.num_layers - 1}.mlp.down_weight" in all_blocks
+    # a row buffer narrower than the MLP width: down_proj (K = intermediate) must stay float
+    monkeypatch.setattr(gguf_blocks, "MAX_K", config.intermediate_size - 1)
+    some = gguf_blocks.load_gguf_block_weights(packaged_llm_path(), config)
+    assert not any(name.endswith("down_weight") for name in some)
+    assert set(some) == {n for n in all_blocks if not n.endswith("down_weight")}
