@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     kv_cache_gb: float = Field(0.0, ge=0.0)
     gpu_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
     prefix_cache: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     block_size: int = Field(16, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)

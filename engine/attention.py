@@ -10,6 +10,7 @@ possibly after a cached prefix). Metadata is built once per step and shared by e
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "torch", "triton", "reference")
+BACKENDS = ("auto", "torch", "native", "triton", "reference")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -114,15 +116,18 @@ RMSNormFn = Callable[
 ]
 # (q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_cache [P, D]) -> None; rotates in place
 RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# gate_up [T, 2I] -> silu(gate) * up [T, I]
+SiluMulFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class FusedOps:
     """The non-attention ops a kernel backend brings for the model: RMSNorm fused with the
-    residual add, and RoPE applied to q and k in place."""
+    residual add, RoPE applied to q and k in place, and (if given) SiLU-and-multiply."""
 
     rms_norm: RMSNormFn
     apply_rope_: RopeFn
+    silu_mul: SiluMulFn | None = None
 
 
 class AttentionBackend(Protocol):
@@ -146,9 +151,13 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA and the torch path on CPU; ``reference`` runs the kernels'
-    plain-torch references (slow, for checking).
+def make_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA and, on CPU, ``native`` for float32 (the torch path with its
+    decode attention and small ops in C, see :class:`NativeAttention`) when a C compiler is
+    there, else ``torch``; ``reference`` runs the kernels' plain-torch references (slow, for
+    checking).
 
     ``triton`` on a CPU runs the kernels through Triton's interpreter, which needs
     ``TRITON_INTERPRET=1`` set before kernels/ is first imported; otherwise ValueError.
@@ -157,9 +166,13 @@ def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     is_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "triton" if is_cuda else "torch"
+        name = "triton" if is_cuda else _cpu_default(dtype)
     if name == "torch":
         return TorchAttention()
+    if name == "native":
+        if is_cuda or dtype != torch.float32:
+            raise ValueError(f"the native attention backend runs float32 on CPU, not {dtype}")
+        return NativeAttention()
     if name == "triton" and not is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "the triton attention backend needs a CUDA device, or TRITON_INTERPRET=1 "
@@ -169,6 +182,20 @@ def make_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "triton" and not is_cuda:
         _check_interpreted(backend.kernel_modules)
     return backend
+
+
+def _cpu_default(dtype: torch.dtype) -> str:
+    from kernels import cpu_ops
+    from kernels.native_build import NativeBuildError
+
+    if dtype != torch.float32:
+        return "torch"
+    try:
+        cpu_ops.build()
+    except NativeBuildError as err:
+        log.warning("C kernels unavailable, attention falls back to torch ops (slower): %s", err)
+        return "torch"
+    return "native"
 
 
 def _check_interpreted(modules: Sequence[ModuleType]) -> None:
@@ -282,15 +309,16 @@ class TorchAttention:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        self._write_kv(k, v, k_cache, v_cache, meta)
         if meta.plan is None:
             meta.plan = _torch_plan(meta, k_cache.shape[1])
         plan: _TorchPlan = meta.plan
         num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        if plan.decode_blocks is not None:
-            out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, plan, meta.scale)
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta)
         for start, end, slots, mask in plan.extends:
             # [T, H, D] -> [1, H, T, D]
             q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
@@ -309,8 +337,61 @@ class TorchAttention:
             out[start:end] = o[0].transpose(0, 1)
         return out
 
+    def _write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
 
-def _decode(
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return _decode_sdpa(q, k_cache, v_cache, meta.plan, meta.scale)
+
+
+class NativeAttention(TorchAttention):
+    """The torch path with the KV write and decode attention in C, and C RMSNorm, RoPE and
+    SiLU-and-multiply for the model (kernels/cpu_ops): float32 on CPU only.
+
+    At batch 1 a decode step is hundreds of tiny ops, each paying torch's dispatch, and the
+    decode gather copies every cached K/V row before SDPA reads it; the C path reads the paged
+    cache in place through the block table. Prefill (extend) stays on SDPA, which is
+    compute-bound and well served by torch.
+    """
+
+    def __init__(self) -> None:
+        from kernels import cpu_ops
+
+        self._ops = cpu_ops
+        self.fused_ops = FusedOps(cpu_ops.rms_norm, cpu_ops.apply_rope_, cpu_ops.silu_mul)
+
+    def _write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        self._ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self._ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.scale
+        )
+
+
+def _decode_sdpa(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan, scale: float
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape

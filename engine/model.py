@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata, FusedOps, RMSNormFn, RopeFn
+from engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    FusedOps,
+    RMSNormFn,
+    RopeFn,
+    SiluMulFn,
+)
 from engine.model_config import ModelConfig, RopeScaling
 from engine.quant import linear
 
@@ -162,29 +169,40 @@ class Attention(nn.Module):
         return linear(out.reshape(out.shape[0], -1), self.o_weight, self.o_bias)
 
 
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused gate/up output [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, silu_mul: SiluMulFn = silu_mul_torch) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size)
         self.down_weight = _param(config.hidden_size, config.intermediate_size)
+        self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+        return linear(self.silu_mul(linear(x, self.gate_up_weight)), self.down_weight)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block; the residual stream is carried beside the hidden state."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, norm_fn: RMSNormFn) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        norm_fn: RMSNormFn,
+        silu_mul: SiluMulFn = silu_mul_torch,
+    ) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
         self.attn = Attention(config, layer_idx)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, silu_mul)
 
     def forward(
         self,
@@ -202,8 +220,8 @@ class Block(nn.Module):
 class LlamaModel(nn.Module):
     """Token ids and positions in, final hidden states out; :meth:`logits` applies the head.
 
-    With ``fused_ops`` (from a kernel attention backend) every norm and RoPE runs those kernels;
-    without, the torch ops here.
+    With ``fused_ops`` (from a kernel attention backend) every norm, RoPE (and SiLU-and-multiply,
+    if it brings one) runs those kernels; without, the torch ops here.
     """
 
     def __init__(
@@ -215,12 +233,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         norm_fn = rms_norm_torch if fused_ops is None else fused_ops.rms_norm
+        silu_mul = (fused_ops and fused_ops.silu_mul) or silu_mul_torch
         # (cos_sin_cache, positions) -> the step's Rope
         self.make_rope: Callable[[torch.Tensor, torch.Tensor], Rope] = (
             TorchRope if fused_ops is None else partial(KernelRope, fused_ops.apply_rope_)
         )
         self.embed_weight = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i, norm_fn) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Block(config, i, norm_fn, silu_mul) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_fn)
         self.lm_head_weight = (
             None if config.tie_word_embeddings else _param(*self.embed_weight.shape)

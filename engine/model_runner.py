@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import SeqSpan, build_attention_metadata, make_backend
+from engine.attention import NativeAttention, SeqSpan, build_attention_metadata, make_backend
 from engine.model import ForwardContext, LlamaModel
 from engine.model_config import ModelConfig
+from engine.native_decode import MAX_ROWS, native_decode_stack
 from engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
@@ -176,7 +178,7 @@ class ModelRunner:
         self.model_config: ModelConfig = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         # The backend comes first: a kernel backend also decides the model's norm and RoPE ops.
-        self.backend = make_backend(backend, self.device)
+        self.backend = make_backend(backend, self.device, self.dtype)
         self.model = self._build_model(config, tensors, seed)
         self.scale = config.head_dim**-0.5
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -192,6 +194,12 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv(config, num_blocks)
+        # GGUF block weights under the native backend: small decode steps run as one C call
+        self.decode_stack = (
+            native_decode_stack(self.model, self.kv_caches, self.scale)
+            if isinstance(self.backend, NativeAttention)
+            else None
+        )
 
     def _build_model(
         self, config: ModelConfig, tensors: dict[str, torch.Tensor] | None, seed: int
@@ -276,10 +284,19 @@ class ModelRunner:
             scale=self.scale,
             device=self.device,
         )
-        ctx = ForwardContext(self.backend, meta, self.kv_caches)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, pos, ctx)  # [T, hidden]
+        if self.decode_stack is not None and num_decode == len(token_ids) <= MAX_ROWS:
+            hidden = self.decode_stack.run(
+                F.embedding(input_ids, self.model.embed_weight),
+                pos,
+                meta.slot_mapping,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+            )
+        else:
+            ctx = ForwardContext(self.backend, meta, self.kv_caches)
+            hidden = self.model(input_ids, pos, ctx)  # [T, hidden]
         rows = self._logit_rows(items, first_row, all_logits)
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)

@@ -48,7 +48,8 @@ def _cpu_ident() -> str:
 def load_library(source: str, flags: tuple[str, ...] = DEFAULT_FLAGS) -> ctypes.CDLL:
     """The shared library built from ``csrc/<source>`` with ``flags`` (built once per key)."""
     src = CSRC / source
-    text = src.read_bytes()
+    # the headers too: a source may include any of them
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
     key = hashlib.sha256(text + repr(flags).encode() + _cpu_ident().encode()).hexdigest()[:20]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if not out.is_file():

@@ -9,7 +9,7 @@ import torch
 
 from app.settings import packaged_llm_path
 from bench.kernels_engine import synthetic_tokenizer
-from engine.attention import KernelAttention, make_backend
+from engine.attention import KernelAttention, NativeAttention, make_backend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model import KernelRope
@@ -38,7 +38,9 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         make_backend("triton", "cpu")
-    assert make_backend("auto", "cpu").fused_ops is None  # CPU default stays the torch path
+    # the CPU default never needs Triton: the C ops for float32, plain torch for the rest
+    assert isinstance(make_backend("auto", "cpu"), NativeAttention)
+    assert make_backend("auto", "cpu", torch.bfloat16).fused_ops is None
 
 
 def test_random_weight_runner_with_kernel_references_matches_torch():

@@ -1,0 +1,66 @@
+"""Wires a loaded model into the one-call C decode step (kernels/decode_step.py), where it fits.
+
+The C step takes GGUF block weights (``weight_quant=gguf``) in float32 on CPU. The runner uses
+it for steps made only of decode tokens, up to ``MAX_ROWS`` of them; every other step, and every
+model it does not fit, runs the torch model as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.model import LlamaModel
+from kernels.block_quant_matmul import BlockQuantWeight
+from kernels.decode_step import MAX_ROWS, DecodeLayer, DecodeStack, build
+from kernels.native_build import NativeBuildError
+
+__all__ = ["MAX_ROWS", "native_decode_stack"]
+log = logging.getLogger(__name__)
+
+
+def native_decode_stack(
+    model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float
+) -> DecodeStack | None:
+    """The C decode stack over ``model``'s weights and ``kv_caches``, or None (and why, logged
+    at debug level) when the model is not all block weights in float32 or C cannot be built."""
+    config = model.config
+    if model.embed_weight.dtype != torch.float32 or kv_caches[0][0].dtype != torch.float32:
+        log.debug("no C decode step: it runs float32 only")
+        return None
+    layers = []
+    for block, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        attn, mlp = block.attn, block.mlp
+        weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
+        if not all(isinstance(w, BlockQuantWeight) for w in weights):
+            log.debug(
+                "no C decode step: layer %d has weights that are not GGUF blocks",
+                block.attn.layer_idx,
+            )
+            return None
+        layers.append(
+            DecodeLayer(
+                block.input_norm.weight.detach(),
+                block.post_attn_norm.weight.detach(),
+                *weights,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                qkv_bias=None if attn.qkv_bias is None else attn.qkv_bias.detach(),
+                o_bias=None if attn.o_bias is None else attn.o_bias.detach(),
+            )
+        )
+    try:
+        build()
+    except NativeBuildError as err:
+        log.warning("C decode step unavailable, decode runs the torch model (slower): %s", err)
+        return None
+    return DecodeStack(
+        layers,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        eps=config.rms_norm_eps,
+        scale=scale,
+        cos_sin_cache=model.cos_sin_cache,
+    )

@@ -1,0 +1,206 @@
+"""The CPU step's small ops in C (csrc/cpu_ops.c): RMSNorm, RoPE, KV write, paged decode attention
+and SiLU-and-multiply, float32 only.
+
+Each has the signature of its Triton twin in this package, and the same plain-torch reference
+checks it. They exist because at batch 1 a CPU decode step is hundreds of tiny torch ops whose
+dispatch costs more than their arithmetic: one C call per op does the same work in one pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels._checks import check_gqa, check_kv_cache, check_rank
+from kernels.native_build import load_library
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": (None, [_P, _P, _P, _F, _P, _P, _I, _I]),
+    "rope": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]),
+    "write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
+    "paged_decode_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    ),
+    "silu_mul": (None, [_P, _P, _I, _I]),
+}
+
+
+@functools.cache
+def build() -> ctypes.CDLL:
+    """The library, built on first use; raises NativeBuildError without a working C compiler."""
+    # argtypes once, so each call converts plain ints instead of building ctypes objects
+    lib = load_library("cpu_ops.c")
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def _f32(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _rows(name: str, t: torch.Tensor) -> int:
+    """The row stride of a [T, ...] tensor whose rows are each contiguous."""
+    inner = t[0].is_contiguous() if t.shape[0] else True
+    if not inner:
+        raise ValueError(f"{name} must be contiguous within each row, got strides {t.stride()}")
+    return t.stride(0)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, s): s = x + residual (or x), out = s * rsqrt(mean(s^2) + eps) * weight.
+
+    x, residual [T, H] float32; weight [H]. Inputs are not modified.
+    """
+    check_rank("x", x, 2)
+    for name, t in (("x", x), ("weight", weight)) + (
+        (("residual", residual),) if residual is not None else ()
+    ):
+        _f32(name, t)
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)} for hidden size {x.shape[1]}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    out, s = torch.empty_like(x), torch.empty_like(x)
+    build().rms_norm(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None,
+        weight.contiguous().data_ptr(), eps, out.data_ptr(), s.data_ptr(), x.shape[0], x.shape[1],
+    )  # fmt: skip
+    return out, s
+
+
+def apply_rope_(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotate-half RoPE of q [T, Hq, D] and k [T, Hkv, D] in place (they may be column slices of
+    one fused qkv matrix); cos_sin_cache [P, D] holds cat(cos, sin) per position."""
+    check_rank("q", q, 3)
+    check_rank("k", k, 3)
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        _f32(name, t)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not pair up")
+    if positions.shape != (num_tokens,) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be int64 [{num_tokens}], got {positions.dtype}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [P, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    if num_tokens == 0:
+        return
+    table = cos_sin_cache.contiguous()
+    rc = build().rope(
+        q.data_ptr(), _rows("q", q), k.data_ptr(), _rows("k", k),
+        positions.contiguous().data_ptr(), table.data_ptr(), table.shape[0],
+        num_tokens, num_q_heads, k.shape[1], head_dim,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"positions must lie in [0, {table.shape[0]})")
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [T, Hkv, D] at ``slot_mapping`` [T] (int64) of the paged caches."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
+        _f32(name, t)
+    if k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the cache rows")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if k.shape[0] == 0:
+        return
+    rc = build().write_kv(
+        k.data_ptr(), _rows("k", k), v.data_ptr(), _rows("v", v), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), num_blocks * block_size,
+        k.shape[0], num_kv_heads * head_dim,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"slots must lie in [0, {num_blocks * block_size})")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, q [B, Hq, D], against its first ``seq_lens[b]`` cached
+    positions, read through ``block_tables`` [B, max_blocks] (int32) -> [B, Hq, D].
+
+    Raises ValueError, reading nothing, if a sequence is empty or outruns its table, or the
+    table names a block the cache does not have.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_rank("q", q, 3)
+    _f32("q", q)
+    _f32("k_cache", k_cache)
+    batch, num_q_heads, _ = q.shape
+    check_gqa(num_q_heads, num_kv_heads)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or len(block_tables) != batch:
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks]")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be int32 [{batch}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
+    if batch == 0:
+        return out
+    tables = block_tables.contiguous()
+    rc = build().paged_decode_attention(
+        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        tables.data_ptr(), tables.shape[1], seq_lens.contiguous().data_ptr(), out.data_ptr(),
+        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+    )  # fmt: skip
+    if rc == -2:
+        raise ValueError(
+            "every seq_len must be >= 1 and fit its block table, whose blocks must lie in "
+            f"[0, {num_blocks})"
+        )
+    if rc != 0:
+        raise ValueError(
+            f"paged_decode_attention supports query groups up to 16 and head_dim up to 256, "
+            f"got {num_q_heads // num_kv_heads} and {head_dim}"
+        )
+    return out
+
+
+# Past this many rows torch's vectorized exp beats the C loop's scalar expf.
+SILU_MUL_MAX_ROWS = 16
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * I] (gate columns first) -> [T, I]; the C loop for
+    up to SILU_MUL_MAX_ROWS rows (decode), torch past that (prefill)."""
+    check_rank("gate_up", gate_up, 2)
+    _f32("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up needs an even width, got {gate_up.shape[1]}")
+    inter = gate_up.shape[1] // 2
+    if gate_up.shape[0] > SILU_MUL_MAX_ROWS:
+        return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)
+    if gate_up.shape[0]:
+        build().silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    return out

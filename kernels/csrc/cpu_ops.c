@@ -1,0 +1,179 @@
+/* The small per-layer ops of a CPU step, float32, one call each instead of a chain of torch ops.
+ *
+ * At batch 1 a decode step is ~30 layers x a dozen tiny ops, and each torch op costs a few
+ * microseconds of dispatch whatever its size; these loops do the same arithmetic in one pass:
+ *   rms_norm:   optional residual add, then x * rsqrt(mean(x^2) + eps) * weight;
+ *   rope:       rotate-half RoPE of q and k in place, cos/sin read from the cache by position;
+ *   write_kv:   this step's k and v rows into their slots of the paged cache;
+ *   paged_decode_attention: one query token per sequence against its cached K/V, read through
+ *               the block table, grouped-query heads sharing each K/V row;
+ *   silu_mul:   silu(gate) * up of a fused gate/up output.
+ * Tensors are row-major; a "stride" is the distance in floats between consecutive rows, so q and
+ * k may be column slices of the fused qkv output.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void rms_norm(const float *x, const float *residual, const float *weight, float eps,
+              float *out, float *sum_out, int64_t rows, int64_t h) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * h;
+        float *s = sum_out + r * h;
+        float ss = 0.0f;
+        if (residual) {
+            const float *rr = residual + r * h;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < h; i++) {
+                s[i] = xr[i] + rr[i];
+                ss += s[i] * s[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < h; i++) {
+                s[i] = xr[i];
+                ss += xr[i] * xr[i];
+            }
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        float *o = out + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; i++) o[i] = weight[i] * (s[i] * inv);
+    }
+}
+
+static void rotate(float *x, const float *cs, int64_t half) {
+    const float *c = cs, *s = cs + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* q: [T, hq, d] rows q_stride apart, k: [T, hkv, d] rows k_stride apart; cos_sin: [P, d].
+ * Returns -1, touching nothing, if a position is outside [0, P). */
+int rope(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *positions,
+         const float *cos_sin, int64_t num_positions, int64_t tokens, int64_t hq, int64_t hkv,
+         int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
+#pragma omp parallel for schedule(static) if (tokens > 8)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * d;
+        for (int64_t h = 0; h < hq; h++) rotate(q + t * q_stride + h * d, cs, half);
+        for (int64_t h = 0; h < hkv; h++) rotate(k + t * k_stride + h * d, cs, half);
+    }
+    return 0;
+}
+
+/* k, v: [T, width] rows k_stride / v_stride apart; caches: [num_slots, width], width = hkv * d.
+ * Returns -1, writing nothing, if a slot is outside [0, num_slots). */
+int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+             float *v_cache, const int64_t *slots, int64_t num_slots, int64_t tokens,
+             int64_t width) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(float));
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
+    }
+    return 0;
+}
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define CHUNK 32
+
+/* q: [B, hq, d] rows q_stride apart; caches [num_blocks, bs, hkv, d]; block_tables int32
+ * [B, max_blocks]; seq_lens int32 [B] (the new token included); out: [B, hq, d] contiguous.
+ * Each (sequence, kv head) pair is one task: its query group reads every cached K/V row once.
+ * Softmax runs online over chunks of positions, in float32. Returns -1 for unsupported shapes,
+ * -2 if a sequence is empty, longer than its table, or its table names a block outside
+ * [0, num_blocks); nothing is read then. */
+int paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                           int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t batch,
+                           int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+    const int64_t group = hq / hkv;
+    if (hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM) return -1;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b], used = (len + bs - 1) / bs;
+        if (len < 1 || used > max_blocks) return -2;
+        for (int64_t i = 0; i < used; i++) {
+            const int32_t blk = block_tables[b * max_blocks + i];
+            if (blk < 0 || blk >= num_blocks) return -2;
+        }
+    }
+    const int64_t row = hkv * d; /* floats per cache slot */
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t g = 0; g < hkv; g++) {
+            float acc[MAX_GROUP][MAX_HEAD_DIM];
+            float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][CHUNK];
+            const float *qg = q + b * q_stride + g * group * d;
+            const int32_t *table = block_tables + b * max_blocks;
+            const int64_t len = seq_lens[b];
+            for (int64_t h = 0; h < group; h++) {
+                m[h] = -INFINITY;
+                l[h] = 0.0f;
+                memset(acc[h], 0, (size_t)d * sizeof(float));
+            }
+            for (int64_t p0 = 0; p0 < len; p0 += CHUNK) {
+                const int64_t n = len - p0 < CHUNK ? len - p0 : CHUNK;
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t p = p0 + i;
+                    const float *kr = k_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
+                    for (int64_t h = 0; h < group; h++) {
+                        const float *qh = qg + h * d;
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t j = 0; j < d; j++) s += qh[j] * kr[j];
+                        sc[h][i] = s * scale;
+                    }
+                }
+                for (int64_t h = 0; h < group; h++) {
+                    float mx = m[h];
+                    for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
+                    const float correction = expf(m[h] - mx); /* 0 on the first chunk */
+                    l[h] *= correction;
+                    for (int64_t j = 0; j < d; j++) acc[h][j] *= correction;
+                    for (int64_t i = 0; i < n; i++) {
+                        sc[h][i] = expf(sc[h][i] - mx);
+                        l[h] += sc[h][i];
+                    }
+                    m[h] = mx;
+                }
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t p = p0 + i;
+                    const float *vr = v_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
+                    for (int64_t h = 0; h < group; h++) {
+                        const float w = sc[h][i];
+                        float *a = acc[h];
+#pragma omp simd
+                        for (int64_t j = 0; j < d; j++) a[j] += w * vr[j];
+                    }
+                }
+            }
+            for (int64_t h = 0; h < group; h++) {
+                float *o = out + (b * hq + g * group + h) * d;
+                const float inv = 1.0f / l[h];
+                for (int64_t j = 0; j < d; j++) o[j] = acc[h][j] * inv;
+            }
+        }
+    }
+    return 0;
+}
+
+/* gate_up: [T, 2 * inter] (gate columns first); out: [T, inter]. */
+void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
+#pragma omp parallel for schedule(static) if (tokens > 8)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *g = gate_up + t * 2 * inter, *u = g + inter;
+        float *o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -1,0 +1,217 @@
+/* The whole decoder stack for one decode step of a few sequences, in one call.
+ *
+ * At batch 1 the model's arithmetic is small and its weights are small (GGUF blocks, see
+ * block_quant.h); what a step of torch ops costs on CPU is mostly dispatch: hundreds of ops a
+ * few microseconds each. Here one OpenMP region runs every layer: threads split each matmul's
+ * output rows and each attention's (sequence, kv head) pairs, and meet at a barrier between
+ * phases; the small ops run on one thread, their cost being a few hundred floats.
+ *
+ * Per layer, for B sequences with one new token each (x and residual [B, H]):
+ *   residual += x (the first layer: residual = x); h = rmsnorm(residual) * input_norm
+ *   qkv = h Wqkv^T (+ bias); RoPE on q and k by position; k, v -> their cache slots
+ *   attn = softmax(q k^T * scale) v over the sequence's cached positions, grouped-query heads
+ *   residual += attn Wo^T (+ bias); h = rmsnorm(residual) * post_norm
+ *   x = (silu(gate) * up) Wdown^T where [gate, up] = h Wgate_up^T
+ * and finally hidden = x + residual (the input of the model's final norm), written over x.
+ * The arithmetic mirrors the torch model op for op in float32.
+ */
+#include <math.h>
+
+#include "block_quant.h"
+
+typedef struct {
+    int32_t kind; /* 4 (q4) or 8 (q8) */
+    int32_t pad;
+    const void *codes;
+    const float *d, *m;
+} bq_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [H] */
+    const float *qkv_bias, *o_bias;      /* NULL when absent */
+    bq_weight qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_blocks, bs, hkv, d] */
+} decode_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, bs, num_blocks, max_blocks;
+    float eps, scale;
+} decode_shape;
+
+/* Scratch of B rows each: h [H], qkv [(hq + 2 hkv) d], attn [hq d], gate_up [2 I], act [I]. */
+typedef struct {
+    float *residual, *h, *qkv, *attn, *gate_up, *act;
+} decode_scratch;
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define CHUNK 32
+
+static void norm_rows(const float *x, float *residual, int first, const float *weight, float eps,
+                      float *out, int64_t rows, int64_t h) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = residual + r * h;
+        const float *xr = x + r * h;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < h; i++) {
+            s[i] = first ? xr[i] : xr[i] + s[i];
+            ss += s[i] * s[i];
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        for (int64_t i = 0; i < h; i++) out[r * h + i] = weight[i] * (s[i] * inv);
+    }
+}
+
+static void rotate(float *x, const float *cs, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half], c = cs[i], s = cs[i + half];
+        x[i] = x1 * c - x2 * s;
+        x[i + half] = x2 * c + x1 * s;
+    }
+}
+
+/* bias, RoPE and the cache write for every row's fresh q, k, v */
+static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv, int64_t rows,
+                      const int64_t *positions, const int64_t *slots, const float *cos_sin) {
+    const int64_t d = sh->head_dim, q_size = sh->heads * d, kv_size = sh->kv_heads * d;
+    const int64_t width = q_size + 2 * kv_size;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * width;
+        if (ly->qkv_bias)
+            for (int64_t i = 0; i < width; i++) row[i] += ly->qkv_bias[i];
+        const float *cs = cos_sin + positions[r] * d;
+        for (int64_t h = 0; h < sh->heads + sh->kv_heads; h++) rotate(row + h * d, cs, d / 2);
+        memcpy(ly->k_cache + slots[r] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
+        memcpy(ly->v_cache + slots[r] * kv_size, row + q_size + kv_size,
+               (size_t)kv_size * sizeof(float));
+    }
+}
+
+/* One (sequence, kv head) task: its query group against every cached position, online softmax. */
+static void attend(const decode_shape *sh, const decode_layer *ly, const float *qkv, float *attn,
+                   int64_t b, int64_t g, const int32_t *table, int64_t len) {
+    const int64_t d = sh->head_dim, group = sh->heads / sh->kv_heads, row = sh->kv_heads * d;
+    const int64_t width = (sh->heads + 2 * sh->kv_heads) * d, bs = sh->bs;
+    const float *qg = qkv + b * width + g * group * d;
+    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][CHUNK];
+    for (int64_t h = 0; h < group; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        memset(acc[h], 0, (size_t)d * sizeof(float));
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += CHUNK) {
+        const int64_t n = len - p0 < CHUNK ? len - p0 : CHUNK;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t p = p0 + i;
+            const float *kr = ly->k_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
+            for (int64_t h = 0; h < group; h++) {
+                const float *qh = qg + h * d;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t j = 0; j < d; j++) s += qh[j] * kr[j];
+                sc[h][i] = s * sh->scale;
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            float mx = m[h];
+            for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
+            const float correction = expf(m[h] - mx); /* 0 on the first chunk */
+            l[h] *= correction;
+            for (int64_t j = 0; j < d; j++) acc[h][j] *= correction;
+            for (int64_t i = 0; i < n; i++) {
+                sc[h][i] = expf(sc[h][i] - mx);
+                l[h] += sc[h][i];
+            }
+            m[h] = mx;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t p = p0 + i;
+            const float *vr = ly->v_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
+            for (int64_t h = 0; h < group; h++) {
+                const float w = sc[h][i];
+                float *a = acc[h];
+#pragma omp simd
+                for (int64_t j = 0; j < d; j++) a[j] += w * vr[j];
+            }
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *o = attn + b * sh->heads * d + (g * group + h) * d;
+        const float inv = 1.0f / l[h];
+        for (int64_t j = 0; j < d; j++) o[j] = acc[h][j] * inv;
+    }
+}
+
+static int valid_weight(const bq_weight *w, int64_t k) {
+    return (w->kind == 4 || w->kind == 8) && k % QBLOCK == 0 && k <= MAX_K;
+}
+
+/* x [B, H]: the token embeddings in, the hidden states out. positions, slots int64 [B];
+ * block_tables int32 [B, max_blocks]; seq_lens int32 [B] (the new token included).
+ * Returns 0; -1 for a shape it does not support; -2, touching nothing, if a position, slot,
+ * sequence length or block id is out of range. */
+int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_layers, float *x,
+                int64_t rows, const int64_t *positions, const int64_t *slots,
+                const int32_t *block_tables, const int32_t *seq_lens, const float *cos_sin,
+                int64_t num_positions, const decode_scratch *sc) {
+    const int64_t d = sh->head_dim, hq = sh->heads, hkv = sh->kv_heads, hidden = sh->hidden;
+    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2) return -1;
+    for (int64_t i = 0; i < num_layers; i++) {
+        const decode_layer *ly = layers + i;
+        if (!valid_weight(&ly->qkv, hidden) || !valid_weight(&ly->o, hq * d) ||
+            !valid_weight(&ly->gate_up, hidden) || !valid_weight(&ly->down, sh->inter))
+            return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = seq_lens[r], used = (len + sh->bs - 1) / sh->bs;
+        if (positions[r] < 0 || positions[r] >= num_positions || len < 1 || used > sh->max_blocks ||
+            slots[r] < 0 || slots[r] >= sh->num_blocks * sh->bs)
+            return -2;
+        for (int64_t j = 0; j < used; j++) {
+            const int32_t blk = block_tables[r * sh->max_blocks + j];
+            if (blk < 0 || blk >= sh->num_blocks) return -2;
+        }
+    }
+    const int64_t qkv_width = (hq + 2 * hkv) * d;
+#pragma omp parallel
+    {
+        float w[MAX_K] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < num_layers; i++) {
+            const decode_layer *ly = layers + i;
+#pragma omp single
+            norm_rows(x, sc->residual, i == 0, ly->input_norm, sh->eps, sc->h, rows, hidden);
+            bq_matmul_for(ly->qkv.kind, sc->h, ly->qkv.codes, ly->qkv.d, ly->qkv.m, sc->qkv, rows,
+                          qkv_width, hidden, w);
+#pragma omp single
+            place_qkv(sh, ly, sc->qkv, rows, positions, slots, cos_sin);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+            for (int64_t b = 0; b < rows; b++)
+                for (int64_t g = 0; g < hkv; g++)
+                    attend(sh, ly, sc->qkv, sc->attn, b, g, block_tables + b * sh->max_blocks,
+                           seq_lens[b]);
+            bq_matmul_for(ly->o.kind, sc->attn, ly->o.codes, ly->o.d, ly->o.m, x, rows, hidden,
+                          hq * d, w);
+#pragma omp single
+            {
+                if (ly->o_bias)
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += ly->o_bias[j];
+                norm_rows(x, sc->residual, 0, ly->post_norm, sh->eps, sc->h, rows, hidden);
+            }
+            bq_matmul_for(ly->gate_up.kind, sc->h, ly->gate_up.codes, ly->gate_up.d,
+                          ly->gate_up.m, sc->gate_up, rows, 2 * sh->inter, hidden, w);
+            const int64_t inter = sh->inter;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *g = sc->gate_up + r * 2 * inter, *u = g + inter;
+                for (int64_t j = 0; j < inter; j++)
+                    sc->act[r * inter + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+            }
+            bq_matmul_for(ly->down.kind, sc->act, ly->down.codes, ly->down.d, ly->down.m, x,
+                          rows, hidden, inter, w);
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < rows * hidden; j++) x[j] += sc->residual[j];
+    }
+    return 0;
+}

@@ -1,0 +1,217 @@
+"""One decode step of a whole Llama-family decoder stack in one C call (csrc/decode_step.c).
+
+For CPU decode with GGUF block weights (:class:`BlockQuantWeight`): a batch-1 step is ~30 layers
+of a dozen small ops, and through torch each op pays a few microseconds of dispatch; this runs
+the norms, block matmuls, RoPE, KV-cache write, paged attention and SwiGLU of every layer in one
+OpenMP region. :class:`DecodeStack` holds the per-layer pointers once; :meth:`DecodeStack.run`
+takes the step's embeddings and index tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
+from kernels.native_build import load_library
+
+# Decode batches past this many rows are better served by the GEMM path.
+MAX_ROWS = 16
+_MAX_GROUP, _MAX_HEAD_DIM = 16, 256
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("codes", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("qkv", _Weight),
+        ("o", _Weight),
+        ("gate_up", _Weight),
+        ("down", _Weight),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "hidden", "heads", "kv_heads", "head_dim", "inter", "bs", "num_blocks", "max_blocks"
+        )
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("residual", "h", "qkv", "attn", "gate_up", "act")
+    ]
+
+
+@functools.cache
+def build() -> ctypes.CDLL:
+    """The library, built on first use; raises NativeBuildError without a working C compiler."""
+    lib = load_library("decode_step.c")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.decode_step.restype = ctypes.c_int
+    lib.decode_step.argtypes = [
+        ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), i64, p, i64, p, p, p, p, p, i64,
+        ctypes.POINTER(_Scratch),
+    ]  # fmt: skip
+    return lib
+
+
+@dataclass(slots=True)
+class DecodeLayer:
+    """One layer's weights and KV cache as the C step reads them (all float32, on CPU)."""
+
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    qkv: BlockQuantWeight  # [(Hq + 2 Hkv) D, H]
+    o: BlockQuantWeight  # [H, Hq D]
+    gate_up: BlockQuantWeight  # [2 I, H]
+    down: BlockQuantWeight  # [H, I]
+    k_cache: torch.Tensor  # [num_blocks, bs, Hkv, D]
+    v_cache: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+def _weight(w: BlockQuantWeight, n: int, k: int, name: str) -> _Weight:
+    if tuple(w.shape) != (n, k):
+        raise ValueError(f"{name} is {tuple(w.shape)}, the stack needs ({n}, {k})")
+    if k % QBLOCK or k > MAX_K:
+        raise ValueError(f"{name}: K = {k} must be a multiple of {QBLOCK} up to {MAX_K}")
+    m = 0 if w.m is None else w.m.data_ptr()
+    return _Weight(_KIND[w.kind], 0, w.codes.data_ptr(), w.d.data_ptr(), m)
+
+
+def _f32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.shape != (size,) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 [{size}], got {t.dtype} {t.shape}")
+    return t.data_ptr()
+
+
+class DecodeStack:
+    """A decoder stack wired for :func:`decode_step`; it keeps every tensor it points at alive.
+
+    ``cos_sin_cache`` [P, D] holds cat(cos, sin) per position (the model's RoPE table).
+    Raises ValueError for shapes the C step does not take.
+    """
+
+    def __init__(
+        self,
+        layers: list[DecodeLayer],
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        cos_sin_cache: torch.Tensor,
+    ) -> None:
+        if not layers:
+            raise ValueError("a decode stack needs at least one layer")
+        if heads % kv_heads or heads // kv_heads > _MAX_GROUP or head_dim > _MAX_HEAD_DIM:
+            raise ValueError(f"unsupported heads {heads}/{kv_heads} of dim {head_dim}")
+        hidden, inter = layers[0].qkv.shape[1], layers[0].down.shape[1]
+        num_blocks, bs = layers[0].k_cache.shape[:2]
+        self._keep = (layers, cos_sin_cache)
+        self._cos_sin = cos_sin_cache
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[1:] != (head_dim,):
+            raise ValueError(f"cos_sin_cache must be float32 [P, {head_dim}]")
+        qkv_width = (heads + 2 * kv_heads) * head_dim
+        self._layers = (_Layer * len(layers))()
+        for i, ly in enumerate(layers):
+            for cache in (ly.k_cache, ly.v_cache):
+                want = (num_blocks, bs, kv_heads, head_dim)
+                if cache.dtype != torch.float32 or tuple(cache.shape) != want:
+                    raise ValueError(f"layer {i}: KV cache must be float32 {want}")
+                if not cache.is_contiguous():
+                    raise ValueError(f"layer {i}: KV cache must be contiguous")
+            self._layers[i] = _Layer(
+                _f32_vector(ly.input_norm, hidden, "input_norm"),
+                _f32_vector(ly.post_norm, hidden, "post_norm"),
+                _f32_vector(ly.qkv_bias, qkv_width, "qkv_bias"),
+                _f32_vector(ly.o_bias, hidden, "o_bias"),
+                _weight(ly.qkv, qkv_width, hidden, f"layer {i} qkv"),
+                _weight(ly.o, hidden, heads * head_dim, f"layer {i} o"),
+                _weight(ly.gate_up, 2 * inter, hidden, f"layer {i} gate_up"),
+                _weight(ly.down, hidden, inter, f"layer {i} down"),
+                ly.k_cache.data_ptr(),
+                ly.v_cache.data_ptr(),
+            )
+        self.hidden, self.inter, self.qkv_width = hidden, inter, qkv_width
+        self.heads, self.head_dim = heads, head_dim
+        self._dims = (hidden, heads, kv_heads, head_dim, inter, bs, num_blocks)
+        self._eps, self._scale = eps, scale
+        self._scratch: dict[int, tuple[_Scratch, tuple[torch.Tensor, ...]]] = {}
+
+    def _scratch_for(self, rows: int) -> _Scratch:
+        if rows not in self._scratch:
+            widths = (self.hidden, self.hidden, self.qkv_width, self.heads * self.head_dim)
+            bufs = tuple(torch.empty(rows, w) for w in (*widths, 2 * self.inter, self.inter))
+            self._scratch[rows] = (_Scratch(*(b.data_ptr() for b in bufs)), bufs)
+        return self._scratch[rows][0]
+
+    def run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step for B sequences: x [B, H] float32 token embeddings, overwritten with (and
+        returned as) the hidden states before the final norm; positions and KV ``slots`` int64
+        [B]; ``block_tables`` int32 [B, max_blocks]; ``seq_lens`` int32 [B], new token included.
+
+        Raises ValueError, touching no cache, for an index out of range.
+        """
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or x.shape != (rows, self.hidden) or not x.is_contiguous():
+            raise ValueError(f"x must be a contiguous float32 [B, {self.hidden}]")
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"a decode stack step takes 1 to {MAX_ROWS} rows, got {rows}")
+        for name, t, dtype in (
+            ("positions", positions, torch.int64),
+            ("slots", slots, torch.int64),
+            ("seq_lens", seq_lens, torch.int32),
+        ):
+            if t.dtype != dtype or t.shape != (rows,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} [{rows}]")
+        if (
+            block_tables.dtype != torch.int32
+            or block_tables.dim() != 2
+            or len(block_tables) != rows
+        ):
+            raise ValueError(f"block_tables must be int32 [{rows}, max_blocks]")
+        tables = block_tables.contiguous()
+        shape = _Shape(*self._dims, tables.shape[1], self._eps, self._scale)
+        rc = build().decode_step(
+            ctypes.byref(shape), self._layers, len(self._layers), x.data_ptr(), rows,
+            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+            self._cos_sin.data_ptr(), self._cos_sin.shape[0], ctypes.byref(self._scratch_for(rows)),
+        )  # fmt: skip
+        if rc == -2:
+            raise ValueError("a position, KV slot, sequence length or block id is out of range")
+        if rc != 0:
+            raise ValueError("decode_step rejected the stack's shapes")
+        return x
