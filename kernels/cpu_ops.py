@@ -1,5 +1,5 @@
-"""The CPU step's small ops in C (csrc/cpu_ops.c): RMSNorm, RoPE, KV write, paged decode attention
-and SiLU-and-multiply, float32 only.
+"""The CPU step's small ops in C (csrc/cpu_ops.c): RMSNorm, RoPE, KV write, paged attention (decode
+rows and short extends) and SiLU-and-multiply, float32 only.
 
 Each has the signature of its Triton twin in this package, and the same plain-torch reference
 checks it. They exist because at batch 1 a CPU decode step is hundreds of tiny torch ops whose
@@ -21,9 +21,9 @@ _SIGNATURES = {
     "rms_norm": (None, [_P, _P, _P, _F, _P, _P, _I, _I]),
     "rope": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]),
     "write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
-    "paged_decode_attention": (
+    "paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+        [_P, _I, _P, _P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F],
     ),
     "silu_mul": (None, [_P, _P, _I, _I]),
 }
@@ -135,6 +135,71 @@ def write_kv(
         raise ValueError(f"slots must lie in [0, {num_blocks * block_size})")
 
 
+def paged_attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_ids: torch.Tensor,
+    row_seqs: torch.Tensor,
+    row_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for the query rows ``row_ids`` (int64 [R]) of q [T, Hq, D]: row ``row_ids[i]``
+    sees the first ``row_lens[i]`` cached positions of sequence ``row_seqs[i]`` (both int32
+    [R]), read through its row of ``block_tables`` [S, max_blocks] (int32). Writes those rows of
+    ``out`` [T, Hq, D] (a new tensor when None) and returns it; other rows are left as they are.
+
+    Raises ValueError, reading nothing, if a row is out of range, sees no position or more than
+    its table holds, or the table names a block the cache does not have.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_rank("q", q, 3)
+    _f32("q", q)
+    _f32("k_cache", k_cache)
+    num_q_rows, num_q_heads, _ = q.shape
+    check_gqa(num_q_heads, num_kv_heads)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be int32 [num_seqs, max_blocks]")
+    num_rows = row_ids.shape[0]
+    for name, t, dtype in (
+        ("row_ids", row_ids, torch.int64),
+        ("row_seqs", row_seqs, torch.int32),
+        ("row_lens", row_lens, torch.int32),
+    ):
+        if t.dtype != dtype or t.shape != (num_rows,):
+            raise ValueError(f"{name} must be {dtype} [{num_rows}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if out is None:
+        out = torch.empty(num_q_rows, num_q_heads, head_dim, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)}")
+    if num_rows == 0:
+        return out
+    tables = block_tables.contiguous()
+    rc = build().paged_attention(
+        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        tables.data_ptr(), tables.shape[0], tables.shape[1], row_ids.contiguous().data_ptr(),
+        row_seqs.contiguous().data_ptr(), row_lens.contiguous().data_ptr(), num_rows, num_q_rows,
+        out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale,
+    )  # fmt: skip
+    if rc == -2:
+        raise ValueError(
+            "every row must see >= 1 position that its block table holds, and the table's "
+            f"blocks must lie in [0, {num_blocks})"
+        )
+    if rc != 0:
+        raise ValueError(
+            f"paged attention supports query groups up to 16 and head_dim up to 256, "
+            f"got {num_q_heads // num_kv_heads} and {head_dim}"
+        )
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -143,46 +208,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence, q [B, Hq, D], against its first ``seq_lens[b]`` cached
-    positions, read through ``block_tables`` [B, max_blocks] (int32) -> [B, Hq, D].
-
-    Raises ValueError, reading nothing, if a sequence is empty or outruns its table, or the
-    table names a block the cache does not have.
-    """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_rank("q", q, 3)
-    _f32("q", q)
-    _f32("k_cache", k_cache)
-    batch, num_q_heads, _ = q.shape
-    check_gqa(num_q_heads, num_kv_heads)
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or len(block_tables) != batch:
-        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks]")
+    """One query token per sequence, q [B, Hq, D], against its first ``seq_lens[b]`` (int32)
+    cached positions, read through ``block_tables`` [B, max_blocks] (int32) -> [B, Hq, D]."""
+    batch = q.shape[0]
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must be int32 [{batch}]")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    out = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32)
-    if batch == 0:
-        return out
-    tables = block_tables.contiguous()
-    rc = build().paged_decode_attention(
-        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-        tables.data_ptr(), tables.shape[1], seq_lens.contiguous().data_ptr(), out.data_ptr(),
-        batch, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-    )  # fmt: skip
-    if rc == -2:
-        raise ValueError(
-            "every seq_len must be >= 1 and fit its block table, whose blocks must lie in "
-            f"[0, {num_blocks})"
-        )
-    if rc != 0:
-        raise ValueError(
-            f"paged_decode_attention supports query groups up to 16 and head_dim up to 256, "
-            f"got {num_q_heads // num_kv_heads} and {head_dim}"
-        )
-    return out
+    rows = torch.arange(batch)
+    return paged_attention_rows(
+        q, k_cache, v_cache, block_tables, rows, rows.int(), seq_lens, scale
+    )
 
 
 # Past this many rows torch's vectorized exp beats the C loop's scalar expf.

@@ -73,19 +73,112 @@ static inline float dot(const float *x, const float *w, int64_t k) {
 #endif
 }
 
+#if defined(__AVX512F__)
+/* The AVX-512 matmul never stores an expanded row: each block's two 16-lane pieces of w go
+ * straight from registers into the accumulators of up to GROUP rows of x, in dot()'s order
+ * (even blocks feed accumulators 0 and 1, odd blocks 2 and 3), so every result is bit-identical
+ * to dot() over the expanded row. A q4 block's 16 possible weights fl(d * c + m) are one
+ * vector; its codes index into it (vpermps reads the low four bits of each lane). */
+#define GROUP 4
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, __m512 *lo, __m512 *hi) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    *lo = _mm512_permutexvar_ps(v, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d, __m512 *lo, __m512 *hi) {
+    const __m512 vd = _mm512_set1_ps(d);
+    *lo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))));
+    *hi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))));
+}
+
+static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float *d, const float *m,
+                                       int64_t b, __m512 *lo, __m512 *hi) {
+    if (kind == 4)
+        q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], lo, hi);
+    else
+        q8_pieces((const int8_t *)codes + b * QBLOCK, d[b], lo, hi);
+}
+
+/* res[r] = x[r] . W_row for r < R (R a constant after inlining) */
+static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const void *codes,
+                                   const float *d, const float *m, const int R, float *res) {
+    __m512 acc[GROUP][4];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+    const int64_t nb = k / QBLOCK;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512 w0, w1, w2, w3;
+        block_pieces(kind, codes, d, m, b, &w0, &w1);
+        block_pieces(kind, codes, d, m, b + 1, &w2, &w3);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * k + b * QBLOCK;
+            acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 32), w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 48), w3, acc[r][3]);
+        }
+    }
+    if (b < nb) {
+        __m512 w0, w1;
+        block_pieces(kind, codes, d, m, b, &w0, &w1);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * k + b * QBLOCK;
+            acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        res[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                                    _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+static ALWAYS_INLINE void dot_rows_kind(int kind, const float *x, int64_t k, const void *codes,
+                                        const float *d, const float *m, int rows, float *res) {
+    switch (rows) {
+    case 1: dot_rows(kind, x, k, codes, d, m, 1, res); break;
+    case 2: dot_rows(kind, x, k, codes, d, m, 2, res); break;
+    case 3: dot_rows(kind, x, k, codes, d, m, 3, res); break;
+    default: dot_rows(kind, x, k, codes, d, m, 4, res); break;
+    }
+}
+#endif
+
 /* out[r, j] = x[r] . W[j] for r < rows, j < n; call from every thread of a parallel region,
- * each with its own float buffer w of at least k floats. Ends with the loop's barrier. */
+ * each with its own float buffer w of at least k floats (the portable path expands rows there).
+ * Ends with the loop's barrier. */
 static inline void bq_matmul_for(int kind, const float *x, const void *codes, const float *d,
                                  const float *m, float *out, int64_t rows, int64_t n, int64_t k,
                                  float *w) {
     const int64_t nb = k / QBLOCK;
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
+#if defined(__AVX512F__)
+        (void)w;
+        const void *cj = kind == 4 ? (const void *)((const uint8_t *)codes + j * (k / 2))
+                                   : (const void *)((const int8_t *)codes + j * k);
+        const float *mj = kind == 4 ? m + j * nb : NULL;
+        for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
+            float res[GROUP];
+            const int g = rows - r0 < GROUP ? (int)(rows - r0) : GROUP;
+            if (kind == 4)
+                dot_rows_kind(4, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+            else
+                dot_rows_kind(8, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+            for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
+        }
+#else
         if (kind == 4)
             expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, w);
         else
             expand_q8((const int8_t *)codes + j * k, d + j * nb, k, w);
         for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w, k);
+#endif
     }
 }
 

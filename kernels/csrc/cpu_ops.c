@@ -5,8 +5,8 @@
  *   rms_norm:   optional residual add, then x * rsqrt(mean(x^2) + eps) * weight;
  *   rope:       rotate-half RoPE of q and k in place, cos/sin read from the cache by position;
  *   write_kv:   this step's k and v rows into their slots of the paged cache;
- *   paged_decode_attention: one query token per sequence against its cached K/V, read through
- *               the block table, grouped-query heads sharing each K/V row;
+ *   paged_attention: query rows against their sequences' cached K/V, read in place through
+ *               the block tables (decode rows, and short extends after a cached prefix);
  *   silu_mul:   silu(gate) * up of a fused gate/up output.
  * Tensors are row-major; a "stride" is the distance in floats between consecutive rows, so q and
  * k may be column slices of the fused qkv output.
@@ -84,87 +84,38 @@ int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
     return 0;
 }
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
-#define CHUNK 32
+#include "paged_attention.h"
 
-/* q: [B, hq, d] rows q_stride apart; caches [num_blocks, bs, hkv, d]; block_tables int32
- * [B, max_blocks]; seq_lens int32 [B] (the new token included); out: [B, hq, d] contiguous.
- * Each (sequence, kv head) pair is one task: its query group reads every cached K/V row once.
- * Softmax runs online over chunks of positions, in float32. Returns -1 for unsupported shapes,
- * -2 if a sequence is empty, longer than its table, or its table names a block outside
+/* Attention for a list of query rows: row r_i = row_ids[i] of q ([T, hq, d], rows q_stride
+ * apart) sees the first row_lens[i] positions of sequence row_seqs[i], whose block table is row
+ * row_seqs[i] of block_tables (int32 [num_seqs, max_blocks]); out[r_i] ([T, hq, d], contiguous)
+ * gets the result. A decode row sees its whole sequence; an extend row at position p, p + 1.
+ * Each (row, kv head) pair is one task. Returns -1 for unsupported shapes, -2 if a row is out of
+ * range, sees no position or more than its table holds, or its table names a block outside
  * [0, num_blocks); nothing is read then. */
-int paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                           const float *v_cache, int64_t num_blocks, const int32_t *block_tables,
-                           int64_t max_blocks, const int32_t *seq_lens, float *out, int64_t batch,
-                           int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                    int64_t num_blocks, const int32_t *block_tables, int64_t num_seqs,
+                    int64_t max_blocks, const int64_t *row_ids, const int32_t *row_seqs,
+                    const int32_t *row_lens, int64_t num_rows, int64_t num_q_rows, float *out,
+                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
     const int64_t group = hq / hkv;
-    if (hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM) return -1;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = seq_lens[b], used = (len + bs - 1) / bs;
-        if (len < 1 || used > max_blocks) return -2;
-        for (int64_t i = 0; i < used; i++) {
-            const int32_t blk = block_tables[b * max_blocks + i];
+    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM) return -1;
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t len = row_lens[i], used = (len + bs - 1) / bs, s = row_seqs[i];
+        if (row_ids[i] < 0 || row_ids[i] >= num_q_rows || s < 0 || s >= num_seqs || len < 1 ||
+            used > max_blocks)
+            return -2;
+        for (int64_t j = 0; j < used; j++) {
+            const int32_t blk = block_tables[s * max_blocks + j];
             if (blk < 0 || blk >= num_blocks) return -2;
         }
     }
-    const int64_t row = hkv * d; /* floats per cache slot */
 #pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t g = 0; g < hkv; g++) {
-            float acc[MAX_GROUP][MAX_HEAD_DIM];
-            float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][CHUNK];
-            const float *qg = q + b * q_stride + g * group * d;
-            const int32_t *table = block_tables + b * max_blocks;
-            const int64_t len = seq_lens[b];
-            for (int64_t h = 0; h < group; h++) {
-                m[h] = -INFINITY;
-                l[h] = 0.0f;
-                memset(acc[h], 0, (size_t)d * sizeof(float));
-            }
-            for (int64_t p0 = 0; p0 < len; p0 += CHUNK) {
-                const int64_t n = len - p0 < CHUNK ? len - p0 : CHUNK;
-                for (int64_t i = 0; i < n; i++) {
-                    const int64_t p = p0 + i;
-                    const float *kr = k_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-                    for (int64_t h = 0; h < group; h++) {
-                        const float *qh = qg + h * d;
-                        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t j = 0; j < d; j++) s += qh[j] * kr[j];
-                        sc[h][i] = s * scale;
-                    }
-                }
-                for (int64_t h = 0; h < group; h++) {
-                    float mx = m[h];
-                    for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
-                    const float correction = expf(m[h] - mx); /* 0 on the first chunk */
-                    l[h] *= correction;
-                    for (int64_t j = 0; j < d; j++) acc[h][j] *= correction;
-                    for (int64_t i = 0; i < n; i++) {
-                        sc[h][i] = expf(sc[h][i] - mx);
-                        l[h] += sc[h][i];
-                    }
-                    m[h] = mx;
-                }
-                for (int64_t i = 0; i < n; i++) {
-                    const int64_t p = p0 + i;
-                    const float *vr = v_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-                    for (int64_t h = 0; h < group; h++) {
-                        const float w = sc[h][i];
-                        float *a = acc[h];
-#pragma omp simd
-                        for (int64_t j = 0; j < d; j++) a[j] += w * vr[j];
-                    }
-                }
-            }
-            for (int64_t h = 0; h < group; h++) {
-                float *o = out + (b * hq + g * group + h) * d;
-                const float inv = 1.0f / l[h];
-                for (int64_t j = 0; j < d; j++) o[j] = acc[h][j] * inv;
-            }
-        }
-    }
+    for (int64_t i = 0; i < num_rows; i++)
+        for (int64_t g = 0; g < hkv; g++)
+            attend_group(q + row_ids[i] * q_stride + g * group * d, group, k_cache, v_cache, hkv,
+                         g, d, bs, block_tables + (int64_t)row_seqs[i] * max_blocks, row_lens[i],
+                         scale, out + (row_ids[i] * hq + g * group) * d);
     return 0;
 }
 

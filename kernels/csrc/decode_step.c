@@ -18,6 +18,7 @@
 #include <math.h>
 
 #include "block_quant.h"
+#include "paged_attention.h"
 
 typedef struct {
     int32_t kind; /* 4 (q4) or 8 (q8) */
@@ -42,10 +43,6 @@ typedef struct {
 typedef struct {
     float *residual, *h, *qkv, *attn, *gate_up, *act;
 } decode_scratch;
-
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
-#define CHUNK 32
 
 static void norm_rows(const float *x, float *residual, int first, const float *weight, float eps,
                       float *out, int64_t rows, int64_t h) {
@@ -87,59 +84,13 @@ static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv
     }
 }
 
-/* One (sequence, kv head) task: its query group against every cached position, online softmax. */
+/* One (sequence, kv head) task: its query group against every cached position. */
 static void attend(const decode_shape *sh, const decode_layer *ly, const float *qkv, float *attn,
                    int64_t b, int64_t g, const int32_t *table, int64_t len) {
-    const int64_t d = sh->head_dim, group = sh->heads / sh->kv_heads, row = sh->kv_heads * d;
-    const int64_t width = (sh->heads + 2 * sh->kv_heads) * d, bs = sh->bs;
-    const float *qg = qkv + b * width + g * group * d;
-    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][CHUNK];
-    for (int64_t h = 0; h < group; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        memset(acc[h], 0, (size_t)d * sizeof(float));
-    }
-    for (int64_t p0 = 0; p0 < len; p0 += CHUNK) {
-        const int64_t n = len - p0 < CHUNK ? len - p0 : CHUNK;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t p = p0 + i;
-            const float *kr = ly->k_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            for (int64_t h = 0; h < group; h++) {
-                const float *qh = qg + h * d;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t j = 0; j < d; j++) s += qh[j] * kr[j];
-                sc[h][i] = s * sh->scale;
-            }
-        }
-        for (int64_t h = 0; h < group; h++) {
-            float mx = m[h];
-            for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
-            const float correction = expf(m[h] - mx); /* 0 on the first chunk */
-            l[h] *= correction;
-            for (int64_t j = 0; j < d; j++) acc[h][j] *= correction;
-            for (int64_t i = 0; i < n; i++) {
-                sc[h][i] = expf(sc[h][i] - mx);
-                l[h] += sc[h][i];
-            }
-            m[h] = mx;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t p = p0 + i;
-            const float *vr = ly->v_cache + ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            for (int64_t h = 0; h < group; h++) {
-                const float w = sc[h][i];
-                float *a = acc[h];
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) a[j] += w * vr[j];
-            }
-        }
-    }
-    for (int64_t h = 0; h < group; h++) {
-        float *o = attn + b * sh->heads * d + (g * group + h) * d;
-        const float inv = 1.0f / l[h];
-        for (int64_t j = 0; j < d; j++) o[j] = acc[h][j] * inv;
-    }
+    const int64_t d = sh->head_dim, group = sh->heads / sh->kv_heads;
+    const int64_t width = (sh->heads + 2 * sh->kv_heads) * d;
+    attend_group(qkv + b * width + g * group * d, group, ly->k_cache, ly->v_cache, sh->kv_heads,
+                 g, d, sh->bs, table, len, sh->scale, attn + b * sh->heads * d + g * group * d);
 }
 
 static int valid_weight(const bq_weight *w, int64_t k) {

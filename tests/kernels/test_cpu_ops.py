@@ -122,7 +122,7 @@ def test_paged_decode_reads_q_rows_from_a_wider_matrix():
 def test_paged_decode_rejects_a_table_too_short_or_naming_a_missing_block():
     batch = make_paged_batch([10], 1, 16, 8, extra_blocks=0)
     q = torch.randn(1, 1, 16)
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ValueError, match="block table holds"):
         cpu_ops.paged_decode_attention(
             q,
             batch.k_cache,
@@ -146,3 +146,28 @@ def test_silu_mul_matches_torch(rows):
     torch.testing.assert_close(
         cpu_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    ("prefixes", "news"), [([0], [5]), ([16, 3], [4, 1]), ([40, 7, 0], [9, 2, 3])]
+)
+def test_extend_rows_match_naive_causal_attention(prefixes, news):
+    # each extend sequence's K/V (prefix and new tokens) is already in the cache, as after write_kv
+    lens = [p + n for p, n in zip(prefixes, news, strict=True)]
+    batch = make_paged_batch(lens, 2, 32, 8)
+    q = torch.randn(sum(news) + 1, 6, 32)  # one leading row the call must leave alone
+    row_seqs = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(news)).int()
+    row_lens = torch.cat(
+        [torch.arange(p + 1, p + n + 1) for p, n in zip(prefixes, news, strict=True)]
+    ).int()
+    row_ids = torch.arange(1, sum(news) + 1)
+    out = torch.full_like(q, 7.0)
+    cpu_ops.paged_attention_rows(
+        q, batch.k_cache, batch.v_cache, batch.block_tables, row_ids, row_seqs, row_lens, 0.2, out
+    )
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))
+    start = 1
+    for b, (p, n) in enumerate(zip(prefixes, news, strict=True)):
+        expected = naive_attention(q[start : start + n], batch.keys[b], batch.values[b], p, 0.2)
+        assert_close(out[start : start + n], expected, torch.float32)
+        start += n
