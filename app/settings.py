@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    weight_quant: Literal["auto", "none", "int8", "gguf"] = "none"
+    weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
 
     # Q&A
     system_prompt_file: Path | None = None

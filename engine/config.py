@@ -32,12 +32,12 @@ class EngineConfig:
     ``num_kv_blocks=None`` and ``kv_cache_gb=0`` let the model runner size the KV pool from
     memory (``gpu_memory_fraction`` of the device); ``max_model_len=None`` means the model's own
     limit. ``max_num_batched_tokens`` must cover one decode token for each of ``max_num_seqs``.
-    ``weight_quant``: ``int8`` stores the matmul weights as per-channel int8 (CPU only); ``auto``
-    picks int8 for float32 on CPU, ``none`` elsewhere; ``none`` (the default) keeps them in
-    ``dtype``. int8 is opt-in: its bf16 activations make greedy output depend on how tokens were
-    batched, so prefix cache on and off are only exactly equal in ``none`` and ``gguf``.
-    ``gguf`` keeps a GGUF checkpoint's own Q4_0/Q4_1/Q8_0 blocks for the matmuls (CPU, float32):
-    the same matrices as ``none``, a fifth of the bytes to read per decode step.
+    ``weight_quant``: ``gguf`` keeps a GGUF checkpoint's own Q4_0/Q4_1/Q8_0 blocks for the
+    matmuls (CPU, float32): the same matrices as ``none``, a fifth of the bytes to read per
+    decode step; ``none`` keeps the weights in ``dtype``; ``auto`` (the default) is gguf for a
+    .gguf model on CPU in float32, none elsewhere. ``int8`` (per-channel int8, CPU only) is
+    opt-in: its bf16 activations make greedy output depend on how tokens were batched, so prefix
+    cache on and off are only exactly equal in ``none`` and ``gguf``.
     """
 
     model: str
@@ -50,7 +50,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     dtype: str = "auto"
-    weight_quant: str = "none"
+    weight_quant: str = "auto"
     device: str = "auto"
     cache_dir: str | None = None
     max_model_len: int | None = None

@@ -74,8 +74,9 @@ class ModelRunner:
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks`` or a byte
     budget ``kv_cache_bytes`` (default: 512 MiB on CPU, ``gpu_memory_fraction`` of free memory on
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
-    ``weight_quant`` (``none``, ``int8``, ``auto``; see :func:`engine.quant.resolve_weight_quant`)
-    stores the matmul weights as per-channel int8 after loading; the KV cache stays in ``dtype``.
+    ``weight_quant`` (``auto``, ``none``, ``int8``, ``gguf``; see
+    :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights are stored: as
+    loaded, per-channel int8, or a GGUF file's own blocks; the KV cache stays in ``dtype``.
     :meth:`from_config` builds one with random weights instead (benchmarks).
     """
 
@@ -88,7 +89,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
-        weight_quant: str = "none",
+        weight_quant: str = "auto",
         backend: str = "auto",
         cache_dir: str | Path | None = None,
         max_model_len: int | None = None,
@@ -124,7 +125,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
-        weight_quant: str = "none",
+        weight_quant: str = "auto",
         backend: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
@@ -173,7 +174,9 @@ class ModelRunner:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.weight_quant = resolve_weight_quant(weight_quant, self.device, self.dtype)
+        self.weight_quant = resolve_weight_quant(
+            weight_quant, self.device, self.dtype, self.model_path
+        )
         self.block_size = block_size
         self.model_config: ModelConfig = config
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)

@@ -16,6 +16,7 @@ batches, which is up to ~15% faster at 512+ rows, would break that.)
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,11 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize, block_quant_matmul
+from kernels.native_build import NativeBuildError, load_library
 
 if TYPE_CHECKING:
     from engine.model import LlamaModel
 
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
+log = logging.getLogger(__name__)
 # NOTE: up to this many rows a block weight runs the fused kernel (decode: bandwidth-bound);
 # past it, prefill is compute-bound and a float32 GEMM over the dequantized matrix wins.
 BLOCK_KERNEL_MAX_ROWS = 16
@@ -116,23 +119,40 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def resolve_weight_quant(weight_quant: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` is int8 for float32 models on CPU and none elsewhere; int8 needs CPU; ``gguf``
-    (keep a GGUF file's own Q4_0/Q4_1/Q8_0 blocks) needs CPU and float32.
+def resolve_weight_quant(
+    weight_quant: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    model_path: str | None = None,
+) -> str:
+    """``auto`` is ``gguf`` for a ``.gguf`` checkpoint on CPU in float32 (when the C kernels
+    build), ``none`` otherwise; int8 needs CPU; ``gguf`` (keep a GGUF file's own
+    Q4_0/Q4_1/Q8_0 blocks) needs CPU and float32.
 
-    Raises ValueError for an unknown choice or int8 off the CPU.
+    Raises ValueError for an unknown choice, or int8 or gguf where they cannot run.
     """
     if weight_quant not in WEIGHT_QUANTS:
         raise ValueError(
             f"weight_quant must be one of {', '.join(WEIGHT_QUANTS)}; got {weight_quant!r}"
         )
+    on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
     if weight_quant == "auto":
-        return "int8" if device.type == "cpu" and dtype == torch.float32 else "none"
-    if weight_quant == "gguf" and (device.type != "cpu" or dtype != torch.float32):
+        is_gguf = model_path is not None and str(model_path).lower().endswith(".gguf")
+        return "gguf" if on_cpu_fp32 and is_gguf and _block_kernel_builds() else "none"
+    if weight_quant == "gguf" and not on_cpu_fp32:
         raise ValueError("gguf block weights run on CPU in float32 only")
     if weight_quant == "int8" and device.type != "cpu":
         raise ValueError(f"int8 weight quantization runs on CPU only, not {device.type}")
     return weight_quant
+
+
+def _block_kernel_builds() -> bool:
+    try:
+        load_library("block_quant_matmul.c")
+    except NativeBuildError as err:
+        log.warning("no C compiler for the GGUF block kernels, weights load as float32: %s", err)
+        return False
+    return True
 
 
 def quantize_model_(model: LlamaModel) -> None:

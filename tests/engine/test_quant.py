@@ -111,9 +111,11 @@ def test_int8_matmul_is_close_to_the_float_matmul():
 
 def test_weight_quant_choices_are_validated():
     cpu = torch.device("cpu")
-    assert resolve_weight_quant("auto", cpu, torch.float32) == "int8"
-    assert resolve_weight_quant("auto", cpu, torch.bfloat16) == "none"
-    assert resolve_weight_quant("auto", torch.device("cuda"), torch.float32) == "none"
+    assert resolve_weight_quant("auto", cpu, torch.float32, "/models/m.GGUF") == "gguf"
+    assert resolve_weight_quant("auto", cpu, torch.float32, "/models/llama-hf") == "none"
+    assert resolve_weight_quant("auto", cpu, torch.float32) == "none"
+    assert resolve_weight_quant("auto", cpu, torch.bfloat16, "m.gguf") == "none"
+    assert resolve_weight_quant("auto", torch.device("cuda"), torch.float32, "m.gguf") == "none"
     assert resolve_weight_quant("none", cpu, torch.float32) == "none"
     with pytest.raises(ValueError, match="weight_quant must be one of"):
         resolve_weight_quant("int4", cpu, torch.float32)
