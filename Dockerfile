@@ -23,6 +23,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /srv/prefixrag
 
+# A C compiler: the CPU kernels (GGUF block matmuls, the one-call decode step) are built for the
+# host's CPU on first use; without one the engine falls back to float32 torch ops (much slower).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 
 COPY pyproject.toml README.md ./
