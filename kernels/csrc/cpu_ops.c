@@ -15,42 +15,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "paged_attention.h"
+#include "row_ops.h"
+
 void rms_norm(const float *x, const float *residual, const float *weight, float eps,
               float *out, float *sum_out, int64_t rows, int64_t h) {
 #pragma omp parallel for schedule(static) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * h;
-        float *s = sum_out + r * h;
-        float ss = 0.0f;
-        if (residual) {
-            const float *rr = residual + r * h;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < h; i++) {
-                s[i] = xr[i] + rr[i];
-                ss += s[i] * s[i];
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < h; i++) {
-                s[i] = xr[i];
-                ss += xr[i] * xr[i];
-            }
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-        float *o = out + r * h;
-#pragma omp simd
-        for (int64_t i = 0; i < h; i++) o[i] = weight[i] * (s[i] * inv);
-    }
-}
-
-static void rotate(float *x, const float *cs, int64_t half) {
-    const float *c = cs, *s = cs + half;
-#pragma omp simd
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c[i] - x2 * s[i];
-        x[i + half] = x2 * c[i] + x1 * s[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row(x + r * h, residual ? residual + r * h : NULL, weight, eps, out + r * h,
+                     sum_out + r * h, h);
 }
 
 /* q: [T, hq, d] rows q_stride apart, k: [T, hkv, d] rows k_stride apart; cos_sin: [P, d].
@@ -64,8 +37,8 @@ int rope(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *
 #pragma omp parallel for schedule(static) if (tokens > 8)
     for (int64_t t = 0; t < tokens; t++) {
         const float *cs = cos_sin + positions[t] * d;
-        for (int64_t h = 0; h < hq; h++) rotate(q + t * q_stride + h * d, cs, half);
-        for (int64_t h = 0; h < hkv; h++) rotate(k + t * k_stride + h * d, cs, half);
+        for (int64_t h = 0; h < hq; h++) rotate_half(q + t * q_stride + h * d, cs, half);
+        for (int64_t h = 0; h < hkv; h++) rotate_half(k + t * k_stride + h * d, cs, half);
     }
     return 0;
 }
@@ -83,8 +56,6 @@ int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
     }
     return 0;
 }
-
-#include "paged_attention.h"
 
 /* Attention for a list of query rows: row r_i = row_ids[i] of q ([T, hq, d], rows q_stride
  * apart) sees the first row_lens[i] positions of sequence row_seqs[i], whose block table is row

@@ -19,6 +19,7 @@
 
 #include "block_quant.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 
 typedef struct {
     int32_t kind; /* 4 (q4) or 8 (q8) */
@@ -44,27 +45,12 @@ typedef struct {
     float *residual, *h, *qkv, *attn, *gate_up, *act;
 } decode_scratch;
 
+/* residual += x (residual = x on the first layer), h = rmsnorm(residual) * weight, per row */
 static void norm_rows(const float *x, float *residual, int first, const float *weight, float eps,
                       float *out, int64_t rows, int64_t h) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = residual + r * h;
-        const float *xr = x + r * h;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < h; i++) {
-            s[i] = first ? xr[i] : xr[i] + s[i];
-            ss += s[i] * s[i];
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-        for (int64_t i = 0; i < h; i++) out[r * h + i] = weight[i] * (s[i] * inv);
-    }
-}
-
-static void rotate(float *x, const float *cs, int64_t half) {
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = x[i], x2 = x[i + half], c = cs[i], s = cs[i + half];
-        x[i] = x1 * c - x2 * s;
-        x[i + half] = x2 * c + x1 * s;
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row(x + r * h, first ? NULL : residual + r * h, weight, eps, out + r * h,
+                     residual + r * h, h);
 }
 
 /* bias, RoPE and the cache write for every row's fresh q, k, v */
@@ -77,7 +63,7 @@ static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv
         if (ly->qkv_bias)
             for (int64_t i = 0; i < width; i++) row[i] += ly->qkv_bias[i];
         const float *cs = cos_sin + positions[r] * d;
-        for (int64_t h = 0; h < sh->heads + sh->kv_heads; h++) rotate(row + h * d, cs, d / 2);
+        for (int64_t h = 0; h < sh->heads + sh->kv_heads; h++) rotate_half(row + h * d, cs, d / 2);
         memcpy(ly->k_cache + slots[r] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
         memcpy(ly->v_cache + slots[r] * kv_size, row + q_size + kv_size,
                (size_t)kv_size * sizeof(float));
