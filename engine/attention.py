@@ -320,7 +320,7 @@ class TorchAttention:
         out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = _decode_sdpa(q[:num_decode], k_cache, v_cache, plan, meta.scale)
-        _extend_sdpa(q, k, v, k_flat, v_flat, plan.extends, meta.scale, out)
+        _extend_sdpa(q, k, v, k_cache, v_cache, plan.extends, meta.scale, out)
         return out
 
 
@@ -361,10 +361,7 @@ class NativeAttention:
             meta.decode_seq_lens, meta.scale,
         )  # fmt: skip
         if extends:
-            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-            k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-            v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-            _extend_sdpa(q, k, v, k_flat, v_flat, extends, meta.scale, out)
+            _extend_sdpa(q, k, v, k_cache, v_cache, extends, meta.scale, out)
         return out
 
 
@@ -383,27 +380,31 @@ def _extend_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     extends: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]],
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    # rows start:end of q attend over slots (None: a fresh prefill over its own new K/V)
-    for start, end, slots, mask in extends:
+    # rows start:end of q attend over the cache blocks given (None: a fresh prefill over its
+    # own new K/V), under an additive mask that hides the future and the last block's padding
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for start, end, blocks, mask in extends:
         # [T, H, D] -> [1, H, T, D]
         q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
-        if slots is None:
+        if blocks is None:
             k_seq, v_seq = k[start:end], v[start:end]
         else:
-            k_seq, v_seq = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+            # whole blocks, as in decode: one contiguous copy each instead of one per slot
+            k_seq = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+            v_seq = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
         o = sdpa_gqa(
             q_seq,
             k_seq.transpose(0, 1).unsqueeze(0),
             v_seq.transpose(0, 1).unsqueeze(0),
             scale=scale,
             attn_mask=mask,
-            is_causal=slots is None,
+            is_causal=blocks is None,
         )
         out[start:end] = o[0].transpose(0, 1)
 
@@ -424,13 +425,6 @@ def _decode_sdpa(
     v_seq = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q_g, k_seq, v_seq, attn_mask=plan.decode_mask, scale=scale)
     return o.reshape(batch, num_heads, head_dim)
-
-
-def _slots_for(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
-    # block_table: [..., max_blocks] -> slots [..., num_tokens] (padding clamped to block 0)
-    pos = torch.arange(num_tokens, device=block_table.device)
-    blocks = block_table[..., pos // block_size].long().clamp_min(0)
-    return blocks * block_size + pos % block_size
 
 
 def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
@@ -455,12 +449,16 @@ def _torch_plan(meta: AttentionMetadata, block_size: int) -> _TorchPlan:
 def _extend_entry(
     meta: AttentionMetadata, b: int, start: int, block_size: int
 ) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None]:
-    # extend b's q rows, and the slots and causal mask it attends over (None: no prefix)
+    # extend b's q rows, the cache blocks it attends over (None: no prefix) and its additive
+    # causal mask [n, blocks * block_size]; a float mask, built once per step, because SDPA
+    # would turn a boolean one into floats again in every layer
     prefix, n = meta.extend_prefix_lens_host[b], meta.extend_lens_host[b]
     if not prefix:
         return start, start + n, None, None
     device = meta.slot_mapping.device
-    slots = _slots_for(meta.extend_block_tables[b], prefix + n, block_size)
+    num_blocks = -(-(prefix + n) // block_size)
+    blocks = meta.extend_block_tables[b, :num_blocks].long()
     q_pos = torch.arange(prefix, prefix + n, device=device)
-    mask = torch.arange(prefix + n, device=device) <= q_pos.unsqueeze(1)  # [n, L]
-    return start, start + n, slots, mask
+    visible = torch.arange(num_blocks * block_size, device=device) <= q_pos.unsqueeze(1)
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    return start, start + n, blocks, mask
