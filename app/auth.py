@@ -12,10 +12,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.deps import StateDep
-from app.models import DEFAULT_TENANT
-from app.services.api_keys import any_active_key, tenant_for_key
-from app.services.errors import AuthenticationError, NotReadyError
+from prefixrag.app.deps import StateDep
+from prefixrag.app.models import DEFAULT_TENANT
+from prefixrag.app.services.api_keys import any_active_key, tenant_for_key
+from prefixrag.app.services.errors import AuthenticationError, NotReadyError
 
 
 def bearer_token(request: Request) -> str | None:

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.ask_cli import register_ask
-from app.keys_cli import register_keys
-from app.settings import Settings, get_settings
+from prefixrag.app.ask_cli import register_ask
+from prefixrag.app.keys_cli import register_keys
+from prefixrag.app.settings import Settings, get_settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 Registrar = Callable[[Subparsers], None]
@@ -30,12 +30,12 @@ def register_serve(subparsers: Subparsers) -> None:
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from app.db import upgrade_db
+    from prefixrag.app.db import upgrade_db
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_db(settings.resolved_database_url)
     uvicorn.run(
-        "app.main:create_app",
+        "prefixrag.app.main:create_app",
         factory=True,
         host=args.host or settings.host,
         port=args.port or settings.port,
@@ -56,7 +56,7 @@ def register_db(subparsers: Subparsers) -> None:
 
 
 def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from app.db import upgrade_db
+    from prefixrag.app.db import upgrade_db
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_db(settings.resolved_database_url, args.revision)
@@ -65,7 +65,7 @@ def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _db_downgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from app.db import downgrade_db
+    from prefixrag.app.db import downgrade_db
 
     downgrade_db(settings.resolved_database_url, args.revision)
     print(f"database downgraded to {args.revision}")
@@ -85,7 +85,7 @@ def register_ingest(subparsers: Subparsers) -> None:
 
 
 def _ingest(args: argparse.Namespace, settings: Settings) -> int:
-    from app.ingest_batch import ingest_files
+    from prefixrag.app.ingest_batch import ingest_files
 
     files = list(collect_files(args.paths))
     if not files:
@@ -117,9 +117,9 @@ def register_index(subparsers: Subparsers) -> None:
 
 
 def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
-    from app.loaders import open_index
-    from app.services.index_sync import rebuild_index
-    from app.state import AppState
+    from prefixrag.app.loaders import open_index
+    from prefixrag.app.services.index_sync import rebuild_index
+    from prefixrag.app.state import AppState
 
     state = AppState(settings)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,12 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
 
 
 def migrations_dir() -> Path:
-    """Where the Alembic environment lives, resolved from the installed `migrations` package."""
-    import migrations
-
-    return Path(migrations.__file__).parent
+    """Where the Alembic environment lives: the folder of the installed `prefixrag.migrations`."""
+    # A namespace package has no __file__; its env.py is found without being run.
+    spec = importlib.util.find_spec("prefixrag.migrations.env")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("prefixrag.migrations is not installed")
+    return Path(spec.origin).parent
 
 
 def alembic_config(url: str) -> Config:

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from app.services.errors import NotReadyError
-from app.services.ingest import IngestService
-from app.state import AppState
-from retrieval.pipeline import Retriever
+from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.services.ingest import IngestService
+from prefixrag.app.state import AppState
+from prefixrag.retrieval.pipeline import Retriever
 
 
 def get_state(request: Request) -> AppState:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from app.models import DEFAULT_TENANT
-from app.services.errors import DuplicateDocumentError, ServiceError
-from app.services.ingest import IngestRequest, IngestService
-from app.settings import Settings
-from app.state import AppState
+from prefixrag.app.models import DEFAULT_TENANT
+from prefixrag.app.services.errors import DuplicateDocumentError, ServiceError
+from prefixrag.app.services.ingest import IngestRequest, IngestService
+from prefixrag.app.settings import Settings
+from prefixrag.app.state import AppState
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.services.api_keys import KeyInfo
-from app.settings import Settings
+from prefixrag.app.services.api_keys import KeyInfo
+from prefixrag.app.settings import Settings
 
 
 def register_keys(subparsers: Any) -> None:
@@ -25,7 +25,7 @@ def register_keys(subparsers: Any) -> None:
 
 
 def _create(args: argparse.Namespace, settings: Settings) -> int:
-    from app.services.api_keys import create_key
+    from prefixrag.app.services.api_keys import create_key
 
     info, key = create_key(_sessions(settings), args.name)
     print(key)
@@ -38,7 +38,7 @@ def _create(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _list(args: argparse.Namespace, settings: Settings) -> int:
-    from app.services.api_keys import list_keys
+    from prefixrag.app.services.api_keys import list_keys
 
     keys = list_keys(_sessions(settings), include_revoked=args.all)
     if not keys:
@@ -51,7 +51,7 @@ def _list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _revoke(args: argparse.Namespace, settings: Settings) -> int:
-    from app.services.api_keys import revoke_key
+    from prefixrag.app.services.api_keys import revoke_key
 
     info = revoke_key(_sessions(settings), args.name)
     print(f"revoked key {info.key_prefix}... of {info.name!r}")
@@ -67,7 +67,7 @@ def _row(info: KeyInfo) -> str:
 def _sessions(settings: Settings) -> Any:
     import logging
 
-    from app.db import make_engine, make_sessionmaker, upgrade_db
+    from prefixrag.app.db import make_engine, make_sessionmaker, upgrade_db
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # keep the key the only output line
 

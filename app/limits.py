@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.openai_schemas import error_body
-from app.routes.openai import OPENAI_PATHS
-from app.settings import Settings
+from prefixrag.app.openai_schemas import error_body
+from prefixrag.app.routes.openai import OPENAI_PATHS
+from prefixrag.app.settings import Settings
 
 UPLOAD_PATH = "/v1/documents"
 # room for the multipart framing and form fields around an upload of max_upload_bytes

@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from app.db import make_engine, make_sessionmaker, upgrade_db
-from app.services.errors import NotReadyError
-from app.state import AppState, ComponentLoader
+from prefixrag.app.db import make_engine, make_sessionmaker, upgrade_db
+from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
-    from retrieval.lexical import LexicalIndex
-    from retrieval.pipeline import Retriever
-    from retrieval.reranker import Reranker
-    from retrieval.vector_index import VectorIndex
+    from prefixrag.retrieval.lexical import LexicalIndex
+    from prefixrag.retrieval.pipeline import Retriever
+    from prefixrag.retrieval.reranker import Reranker
+    from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def load_db(state: AppState) -> str | None:
 def load_embedder(state: AppState) -> str | None:
     """Load the sentence-transformers embedder unless one was handed in."""
     if state.embedder is None:
-        from retrieval.embedder import Embedder
+        from prefixrag.retrieval.embedder import Embedder
 
         state.embedder = Embedder(state.settings.resolved_embed_model)
     return None
@@ -52,10 +52,14 @@ def load_embedder(state: AppState) -> str | None:
 def load_index(state: AppState) -> str | None:
     """Open the index, fail interrupted ingests, reconcile with the DB, build BM25 (hybrid mode),
     start the ingest service."""
-    from app.services.index_sync import fail_interrupted, rebuild_lexical_index, reconcile_index
-    from app.services.ingest import IngestService
-    from retrieval.chunking import Chunker
-    from retrieval.lexical import LexicalIndex
+    from prefixrag.app.services.index_sync import (
+        fail_interrupted,
+        rebuild_lexical_index,
+        reconcile_index,
+    )
+    from prefixrag.app.services.ingest import IngestService
+    from prefixrag.retrieval.chunking import Chunker
+    from prefixrag.retrieval.lexical import LexicalIndex
 
     state.require("db", "embedder")
     if state.sessions is None or state.embedder is None:
@@ -89,7 +93,7 @@ def make_retriever(
     state: AppState, index: VectorIndex, reranker: Reranker | None, lexical: LexicalIndex | None
 ) -> Retriever:
     """The retriever the settings ask for: dense, or dense + BM25 fusion when `lexical` is set."""
-    from retrieval.pipeline import Retriever
+    from prefixrag.retrieval.pipeline import Retriever
 
     if state.embedder is None:
         raise NotReadyError("the embedder must load before the retriever")
@@ -106,7 +110,7 @@ def make_retriever(
 def open_index(state: AppState) -> VectorIndex:
     """The persisted index, or a new empty one if none exists or it cannot be read; temp files
     of saves that a crash cut short are deleted first."""
-    from retrieval.vector_index import VectorIndex, remove_partial_saves
+    from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 
     if state.embedder is None:
         raise NotReadyError("the embedder must load before the index")
@@ -141,7 +145,7 @@ def open_index(state: AppState) -> VectorIndex:
 
 def load_reranker(state: AppState) -> str | None:
     """Load the cross-encoder; when it cannot load, say so loudly and keep first-stage order."""
-    from retrieval.reranker import Reranker
+    from prefixrag.retrieval.reranker import Reranker
 
     name = state.settings.rerank_model
     if state.reranker is None and name:

@@ -10,24 +10,24 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.auth import get_tenant
-from app.limits import install_body_limit
-from app.metrics import install_metrics
-from app.openai_schemas import error_body
-from app.routes import documents, health, metrics, openai, query, search, web
-from app.routes.rag_chat import register_rag_model
-from app.services.errors import (
+from prefixrag.app.auth import get_tenant
+from prefixrag.app.limits import install_body_limit
+from prefixrag.app.metrics import install_metrics
+from prefixrag.app.openai_schemas import error_body
+from prefixrag.app.routes import documents, health, metrics, openai, query, search, web
+from prefixrag.app.routes.rag_chat import register_rag_model
+from prefixrag.app.services.errors import (
     AuthenticationError,
     DuplicateDocumentError,
     QueueFullError,
     ServiceError,
 )
-from app.settings import Settings, get_settings
-from app.state import AppState, ComponentLoader
+from prefixrag.app.settings import Settings, get_settings
+from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
-    from retrieval.embedder import Embedder
-    from retrieval.reranker import Reranker
+    from prefixrag.retrieval.embedder import Embedder
+    from prefixrag.retrieval.reranker import Reranker
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def create_app(
     """
     state = AppState(settings or get_settings(), embedder=embedder, reranker=reranker)
     if state.settings.load_llm:
-        from app.services.llm import load_llm
-        from app.services.prompt_cache import load_prompt_cache
+        from prefixrag.app.services.llm import load_llm
+        from prefixrag.app.services.prompt_cache import load_prompt_cache
 
         state.add_loader(ComponentLoader("llm", load_llm))
         state.add_loader(ComponentLoader("prompt_cache", load_prompt_cache, required=False))

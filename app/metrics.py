@@ -17,13 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from app.models import Chunk, Document
-from engine.outputs import GenerationResult
+from prefixrag.app.models import Chunk, Document
+from prefixrag.engine.outputs import GenerationResult
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from app.state import AppState
+    from prefixrag.app.state import AppState
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ class PromptConfig:
 def load_prompt_config(system_prompt_file: Path | None = None) -> PromptConfig:
     """The packaged prompt files (app/prompts/), with the system prompt read from
     `system_prompt_file` instead when given."""
-    folder = resources.files("app") / "prompts"
+    folder = Path(__file__).parent / "prompts"
     if system_prompt_file is not None:
         system = Path(system_prompt_file).read_text(encoding="utf-8")
     else:

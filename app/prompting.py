@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from app.prompt_parts import (
+from prefixrag.app.prompt_parts import (
     ANSWER_MARK,
     CONTENT_MARK,
     NO_NEW_SOURCES,
@@ -36,7 +36,7 @@ from app.prompt_parts import (
     source_body,
     source_header,
 )
-from app.services.llm import PromptTooLongError
+from prefixrag.app.services.llm import PromptTooLongError
 
 __all__ = [
     "CHUNK_ORDERS",

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.services.errors import NotReadyError
-from app.settings import Settings
+from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.settings import Settings
 
 if TYPE_CHECKING:
-    from app.metrics import Metrics
-    from app.prompting import PromptBuilder
-    from app.services.ingest import IngestService
-    from app.services.llm import LLMService
-    from retrieval.embedder import Embedder
-    from retrieval.pipeline import Retriever
-    from retrieval.reranker import Reranker
-    from retrieval.vector_index import VectorIndex
+    from prefixrag.app.metrics import Metrics
+    from prefixrag.app.prompting import PromptBuilder
+    from prefixrag.app.services.ingest import IngestService
+    from prefixrag.app.services.llm import LLMService
+    from prefixrag.retrieval.embedder import Embedder
+    from prefixrag.retrieval.pipeline import Retriever
+    from prefixrag.retrieval.reranker import Reranker
+    from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AppState:
         reranker: Reranker | None = None,
         loaders: list[ComponentLoader] | None = None,
     ) -> None:
-        from app.loaders import default_loaders
+        from prefixrag.app.loaders import default_loaders
 
         self.settings = settings
         self.engine: Engine | None = None

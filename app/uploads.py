@@ -12,9 +12,13 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from app.schemas import DocumentTextIn
-from app.services.errors import InvalidInputError, PayloadTooLargeError, UnsupportedTypeError
-from app.services.ingest import IngestRequest
+from prefixrag.app.schemas import DocumentTextIn
+from prefixrag.app.services.errors import (
+    InvalidInputError,
+    PayloadTooLargeError,
+    UnsupportedTypeError,
+)
+from prefixrag.app.services.ingest import IngestRequest
 
 # Room for the multipart boundaries and the small form fields next to the file.
 MULTIPART_OVERHEAD_BYTES = 1 << 20

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from app.settings import get_settings, packaged_llm_path
 from bench.engine_overhead import measure as measure_overhead
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepItem
-from engine.sampling_params import SamplingParams
+from prefixrag.app.settings import get_settings, packaged_llm_path
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.model_runner import ModelRunner, StepItem
+from prefixrag.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 # A real long English text that every Debian machine has.

@@ -19,10 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.scheduler import Scheduler
+from prefixrag.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
 PREFIX_TOKENS = 256

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels_engine import bench_engine
-from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.kv_write import write_kv, write_kv_reference
-from kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
-from kernels.rms_norm import rms_norm, rms_norm_reference
-from kernels.rope import apply_rope_, apply_rope_reference_, build_cos_sin_cache
+from prefixrag.kernels.extend_attention import extend_attention, extend_attention_reference
+from prefixrag.kernels.kv_write import write_kv, write_kv_reference
+from prefixrag.kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from prefixrag.kernels.rms_norm import rms_norm, rms_norm_reference
+from prefixrag.kernels.rope import apply_rope_, apply_rope_reference_, build_cos_sin_cache
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 32, 8, 128, 32
 HIDDEN, INTERMEDIATE, BLOCK_SIZE = 4096, 14336, 16

@@ -16,13 +16,13 @@ import torch
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import WordLevel
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_config import ModelConfig, RopeScaling
-from engine.model_runner import ModelRunner
-from engine.outputs import GenerationDelta
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.model_config import ModelConfig, RopeScaling
+from prefixrag.engine.model_runner import ModelRunner
+from prefixrag.engine.outputs import GenerationDelta
+from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.tokenizer import Tokenizer
 
 LLAMA_31_8B = ModelConfig(
     architecture="llama",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from app.settings import get_settings, packaged_llm_path
-from engine.model_runner import ModelRunner, StepItem
+from prefixrag.app.settings import get_settings, packaged_llm_path
+from prefixrag.engine.model_runner import ModelRunner, StepItem
 
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
 

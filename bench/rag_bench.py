@@ -26,10 +26,10 @@ import numpy as np
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
-from app.main import create_app
-from app.prompting import PromptBuilder, load_prompt_config
-from app.settings import Settings, packaged_embedder_path
-from retrieval.embedder import Embedder
+from prefixrag.app.main import create_app
+from prefixrag.app.prompting import PromptBuilder, load_prompt_config
+from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.retrieval.embedder import Embedder
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html/library")
 CONVERSATIONS: dict[str, list[str]] = {

@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from app.settings import packaged_embedder_path
-from retrieval.chunking import Chunker
-from retrieval.embedder import Embedder
-from retrieval.parsing import parse_document
-from retrieval.pipeline import Retriever
-from retrieval.reranker import Reranker
-from retrieval.vector_index import VectorIndex
+from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.retrieval.chunking import Chunker
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.parsing import parse_document
+from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.reranker import Reranker
+from prefixrag.retrieval.vector_index import VectorIndex
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
 INGEST_DOCS = [

@@ -21,16 +21,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from app.settings import Settings, packaged_embedder_path
-from retrieval.analyzer import Analyzer
-from retrieval.chunking import Chunk, Chunker
-from retrieval.embedder import Embedder
-from retrieval.fusion import rrf_fuse
-from retrieval.html_text import html_to_text
-from retrieval.lexical import LexicalIndex, searchable_text
-from retrieval.parsing import ParsedDocument, Section
-from retrieval.pipeline import Retriever
-from retrieval.vector_index import VectorIndex
+from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.retrieval.analyzer import Analyzer
+from prefixrag.retrieval.chunking import Chunk, Chunker
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.fusion import rrf_fuse
+from prefixrag.retrieval.html_text import html_to_text
+from prefixrag.retrieval.lexical import LexicalIndex, searchable_text
+from prefixrag.retrieval.parsing import ParsedDocument, Section
+from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.vector_index import VectorIndex
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
 DATA = Path(__file__).parent / "data" / "python_docs_qa.json"

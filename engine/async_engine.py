@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepEvent, StepFailedError
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine, StepEvent, StepFailedError
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

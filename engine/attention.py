@@ -185,8 +185,8 @@ def make_backend(
 
 
 def _cpu_default(dtype: torch.dtype) -> str:
-    from kernels import cpu_ops
-    from kernels.native_build import NativeBuildError
+    from prefixrag.kernels import cpu_ops
+    from prefixrag.kernels.native_build import NativeBuildError
 
     if dtype != torch.float32:
         return "torch"
@@ -219,7 +219,7 @@ class KernelAttention:
     ``fused_ops`` are the matching RMSNorm and RoPE from kernels/."""
 
     def __init__(self, *, use_triton: bool) -> None:
-        from kernels import extend_attention, kv_write, paged_decode, rms_norm, rope
+        from prefixrag.kernels import extend_attention, kv_write, paged_decode, rms_norm, rope
 
         self.kernel_modules = (extend_attention, kv_write, paged_decode, rms_norm, rope)
         if use_triton:
@@ -337,7 +337,7 @@ class NativeAttention:
     """
 
     def __init__(self) -> None:
-        from kernels import cpu_ops
+        from prefixrag.kernels import cpu_ops
 
         self._ops = cpu_ops
         self.fused_ops = FusedOps(cpu_ops.rms_norm, cpu_ops.apply_rope_, cpu_ops.silu_mul)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.radix_cache import HashFn, RadixCache, block_key
-from engine.sequence import Sequence
+from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.radix_cache import HashFn, RadixCache, block_key
+from prefixrag.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner, StepItem
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.detokenizer import IncrementalDetokenizer
+from prefixrag.engine.model_runner import ModelRunner, StepItem
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampler import Sampler
+from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.scheduler import Scheduler, SchedulerOutput
+from prefixrag.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

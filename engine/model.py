@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import (
+from prefixrag.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
     FusedOps,
@@ -27,8 +27,8 @@ from engine.attention import (
     RopeFn,
     SiluMulFn,
 )
-from engine.model_config import ModelConfig, RopeScaling
-from engine.quant import linear
+from prefixrag.engine.model_config import ModelConfig, RopeScaling
+from prefixrag.engine.quant import linear
 
 
 @dataclass(slots=True)
@@ -273,7 +273,7 @@ class LlamaModel(nn.Module):
 
         Parameters are replaced, not copied into, so the model may be built on the meta device.
         """
-        from engine.weights.mapping import assign_hf_weights
+        from prefixrag.engine.weights.mapping import assign_hf_weights
 
         assign_hf_weights(self, tensors)
 

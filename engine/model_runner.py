@@ -13,14 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import NativeAttention, SeqSpan, build_attention_metadata, make_backend
-from engine.model import ForwardContext, LlamaModel
-from engine.model_config import ModelConfig
-from engine.native_decode import MAX_ROWS, native_decode_stack
-from engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
-from engine.tokenizer import Tokenizer
-from engine.weights import load_checkpoint
-from engine.weights.gguf_blocks import load_gguf_block_weights
+from prefixrag.engine.attention import (
+    NativeAttention,
+    SeqSpan,
+    build_attention_metadata,
+    make_backend,
+)
+from prefixrag.engine.model import ForwardContext, LlamaModel
+from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
+from prefixrag.engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
+from prefixrag.engine.tokenizer import Tokenizer
+from prefixrag.engine.weights import load_checkpoint
+from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024

@@ -11,10 +11,10 @@ import logging
 
 import torch
 
-from engine.model import LlamaModel
-from kernels.block_quant_matmul import BlockQuantWeight
-from kernels.decode_step import MAX_ROWS, DecodeLayer, DecodeStack, build
-from kernels.native_build import NativeBuildError
+from prefixrag.engine.model import LlamaModel
+from prefixrag.kernels.block_quant_matmul import BlockQuantWeight
+from prefixrag.kernels.decode_step import MAX_ROWS, DecodeLayer, DecodeStack, build
+from prefixrag.kernels.native_build import NativeBuildError
 
 __all__ = ["MAX_ROWS", "native_decode_stack"]
 log = logging.getLogger(__name__)

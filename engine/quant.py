@@ -23,11 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize, block_quant_matmul
-from kernels.native_build import NativeBuildError, load_library
+from prefixrag.kernels.block_quant_matmul import (
+    BlockQuantWeight,
+    block_quant_dequantize,
+    block_quant_matmul,
+)
+from prefixrag.kernels.native_build import NativeBuildError, load_library
 
 if TYPE_CHECKING:
-    from engine.model import LlamaModel
+    from prefixrag.engine.model import LlamaModel
 
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.block_pool import BlockPool
+from prefixrag.engine.block_pool import BlockPool
 
 HashFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling_params import SamplingParams
 
 
 class Sampler:

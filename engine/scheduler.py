@@ -7,10 +7,10 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from itertools import islice
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.radix_cache import HashFn, RadixCache, block_key
-from engine.sequence import Sequence, SequenceStatus
+from prefixrag.engine.block_manager import BlockManager
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.radix_cache import HashFn, RadixCache, block_key
+from prefixrag.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.radix_cache import RadixNode, normalize_namespace
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.radix_cache import RadixNode, normalize_namespace
+from prefixrag.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

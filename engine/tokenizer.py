@@ -17,7 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 
-from engine.weights.weight_cache import cache_key
+from prefixrag.engine.weights.weight_cache import cache_key
 
 
 class Tokenizer:
@@ -158,7 +158,7 @@ def _convert_gguf(path: Path) -> tuple[FastTokenizer, dict[str, Any]]:
     import gguf
     from transformers import AutoTokenizer
 
-    from engine.weights.gguf_loader import read_gguf_metadata
+    from prefixrag.engine.weights.gguf_loader import read_gguf_metadata
 
     meta = read_gguf_metadata(gguf.GGUFReader(str(path)))
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

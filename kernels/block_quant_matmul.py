@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.native_build import DEFAULT_FLAGS, load_library
+from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 QBLOCK = 32
 MAX_K = 16384

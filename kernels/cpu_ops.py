@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from kernels._checks import check_gqa, check_kv_cache, check_rank
-from kernels.native_build import load_library
+from prefixrag.kernels._checks import check_gqa, check_kv_cache, check_rank
+from prefixrag.kernels.native_build import load_library
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
-from kernels.native_build import load_library
+from prefixrag.kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
+from prefixrag.kernels.native_build import load_library
 
 # Decode batches past this many rows are better served by the GEMM path.
 MAX_ROWS = 16

@@ -9,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_float, check_index, check_kv_cache, check_rank, check_same_device
+from prefixrag.kernels._checks import (
+    check_float,
+    check_index,
+    check_kv_cache,
+    check_rank,
+    check_same_device,
+)
 
 
 @triton.jit

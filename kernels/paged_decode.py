@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from prefixrag.kernels._checks import (
     check_float,
     check_gqa,
     check_head_dim,
@@ -17,7 +17,7 @@ from kernels._checks import (
     check_rank,
     check_same_device,
 )
-from kernels._paged import gather_kv
+from prefixrag.kernels._paged import gather_kv
 
 
 def _check_decode_args(

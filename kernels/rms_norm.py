@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_float, check_rank, check_same_device
+from prefixrag.kernels._checks import check_float, check_rank, check_same_device
 
 
 def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_float, check_index, check_rank, check_same_device
+from prefixrag.kernels._checks import check_float, check_index, check_rank, check_same_device
 
 
 def build_cos_sin_cache(

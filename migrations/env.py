@@ -5,9 +5,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from app.db import make_engine
-from app.models import Base
-from app.settings import get_settings
+from prefixrag.app.db import make_engine
+from prefixrag.app.models import Base
+from prefixrag.app.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from retrieval.parsing import ParsedDocument
+from prefixrag.retrieval.parsing import ParsedDocument
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])[\"')\]]*\s+")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from retrieval.analyzer import Analyzer
+from prefixrag.retrieval.analyzer import Analyzer
 
 
 def searchable_text(text: str, heading: str | None) -> str:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
-from retrieval.html_text import html_to_text
+from prefixrag.retrieval.html_text import html_to_text
 
 logger = logging.getLogger(__name__)
 

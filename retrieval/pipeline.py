@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from retrieval.embedder import Embedder
-from retrieval.fusion import RRF_K, rrf_scores
-from retrieval.lexical import LexicalIndex
-from retrieval.reranker import Reranker
-from retrieval.vector_index import VectorIndex
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.fusion import RRF_K, rrf_scores
+from prefixrag.retrieval.lexical import LexicalIndex
+from prefixrag.retrieval.reranker import Reranker
+from prefixrag.retrieval.vector_index import VectorIndex
 
 
 @dataclass(slots=True)

@@ -10,13 +10,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from app.auth import TenantDep
-from app.deps import IngestDep, SessionDep, StateDep
-from app.error_responses import COMMON_CODES, error_responses
-from app.schemas import MAX_ROW_ID, DocumentAccepted, DocumentOut, DocumentPage
-from app.services.documents import get_document, list_documents
-from app.services.errors import NotReadyError
-from app.uploads import read_ingest_request
+from prefixrag.app.auth import TenantDep
+from prefixrag.app.deps import IngestDep, SessionDep, StateDep
+from prefixrag.app.error_responses import COMMON_CODES, error_responses
+from prefixrag.app.schemas import MAX_ROW_ID, DocumentAccepted, DocumentOut, DocumentPage
+from prefixrag.app.services.documents import get_document, list_documents
+from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.uploads import read_ingest_request
 
 # a document id that cannot exist is refused (422) before it reaches the database
 DocumentId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.deps import StateDep
-from app.error_responses import error_responses
-from app.services.errors import NotReadyError
+from prefixrag.app.deps import StateDep
+from prefixrag.app.error_responses import error_responses
+from prefixrag.app.services.errors import NotReadyError
 
 router = APIRouter(tags=["metrics"], responses=error_responses(401, 503))
 

@@ -11,20 +11,24 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.auth import TenantDep
-from app.deps import StateDep
-from app.error_responses import COMMON_CODES, event_stream_response, openai_error_responses
-from app.openai_schemas import (
+from prefixrag.app.auth import TenantDep
+from prefixrag.app.deps import StateDep
+from prefixrag.app.error_responses import (
+    COMMON_CODES,
+    event_stream_response,
+    openai_error_responses,
+)
+from prefixrag.app.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     _GenerationRequest,
     error_body,
     make_usage,
 )
-from app.services.errors import ServiceError
-from app.services.llm import LLMService
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.app.services.errors import ServiceError
+from prefixrag.app.services.llm import LLMService
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_error_responses(*COMMON_CODES))
 # what a generation route answers besides COMMON_CODES

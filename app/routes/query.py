@@ -17,14 +17,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.auth import TenantDep
-from app.deps import StateDep
-from app.error_responses import COMMON_CODES, error_responses, event_stream_response
-from app.qa_schemas import QueryIn, QueryOut
-from app.routes.openai import collect_until_disconnect
-from app.services import qa
-from app.state import AppState
-from engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.app.auth import TenantDep
+from prefixrag.app.deps import StateDep
+from prefixrag.app.error_responses import COMMON_CODES, error_responses, event_stream_response
+from prefixrag.app.qa_schemas import QueryIn, QueryOut
+from prefixrag.app.routes.openai import collect_until_disconnect
+from prefixrag.app.services import qa
+from prefixrag.app.state import AppState
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 
 router = APIRouter(prefix="/v1", tags=["query"], responses=error_responses(*COMMON_CODES))
 logger = logging.getLogger(__name__)

@@ -25,14 +25,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from app.auth import request_tenant
-from app.openai_schemas import ChatCompletionRequest, error_body
-from app.qa_schemas import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
-from app.routes import openai
-from app.services import qa
-from app.services.errors import ServiceError
-from app.state import AppState
-from engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.app.auth import request_tenant
+from prefixrag.app.openai_schemas import ChatCompletionRequest, error_body
+from prefixrag.app.qa_schemas import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
+from prefixrag.app.routes import openai
+from prefixrag.app.services import qa
+from prefixrag.app.services.errors import ServiceError
+from prefixrag.app.state import AppState
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 
 RAG_MODEL = "prefixrag-rag"
 SOURCES_MARK = "\n\nSources:\n"

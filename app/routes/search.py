@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.auth import TenantDep
-from app.deps import RetrieverDep, StateDep
-from app.error_responses import COMMON_CODES, error_responses
-from app.schemas import SearchIn, SearchOut
-from app.services.errors import NotReadyError
-from app.services.search import search
+from prefixrag.app.auth import TenantDep
+from prefixrag.app.deps import RetrieverDep, StateDep
+from prefixrag.app.error_responses import COMMON_CODES, error_responses
+from prefixrag.app.schemas import SearchIn, SearchOut
+from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.services.search import search
 
 router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COMMON_CODES))
 

@@ -12,12 +12,12 @@ import numpy as np
 from sqlalchemy import Row, delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Chunk, Document
+from prefixrag.app.models import Chunk, Document
 
 if TYPE_CHECKING:
-    from retrieval.embedder import Embedder
-    from retrieval.lexical import LexicalIndex
-    from retrieval.vector_index import VectorIndex
+    from prefixrag.retrieval.embedder import Embedder
+    from prefixrag.retrieval.lexical import LexicalIndex
+    from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def rebuild_lexical_index(
     NOTE: BM25 is rebuilt at each start rather than persisted: tokenizing is fast next to
     embedding, and a rebuilt index can never disagree with the database.
     """
-    from retrieval.lexical import searchable_text
+    from prefixrag.retrieval.lexical import searchable_text
 
     lexical.reset()
     num_chunks = 0

@@ -19,9 +19,9 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import DEFAULT_TENANT, Chunk, Document
-from app.services.collections import get_or_create_collection
-from app.services.errors import (
+from prefixrag.app.models import DEFAULT_TENANT, Chunk, Document
+from prefixrag.app.services.collections import get_or_create_collection
+from prefixrag.app.services.errors import (
     DocumentBusyError,
     DocumentNotFoundError,
     DuplicateDocumentError,
@@ -31,8 +31,8 @@ from app.services.errors import (
     ServiceError,
     UnsupportedTypeError,
 )
-from retrieval.lexical import searchable_text
-from retrieval.parsing import (
+from prefixrag.retrieval.lexical import searchable_text
+from prefixrag.retrieval.parsing import (
     DocumentParseError,
     ParsedDocument,
     UnsupportedMediaTypeError,
@@ -41,11 +41,11 @@ from retrieval.parsing import (
 )
 
 if TYPE_CHECKING:
-    from retrieval.chunking import Chunk as TextChunk
-    from retrieval.chunking import Chunker
-    from retrieval.embedder import Embedder
-    from retrieval.lexical import LexicalIndex
-    from retrieval.vector_index import VectorIndex
+    from prefixrag.retrieval.chunking import Chunk as TextChunk
+    from prefixrag.retrieval.chunking import Chunker
+    from prefixrag.retrieval.embedder import Embedder
+    from prefixrag.retrieval.lexical import LexicalIndex
+    from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
 

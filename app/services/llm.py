@@ -7,15 +7,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.services.errors import InvalidInputError, QueueFullError, ServiceError
-from app.settings import Settings
-from engine.config import EngineConfig
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.app.services.errors import InvalidInputError, QueueFullError, ServiceError
+from prefixrag.app.settings import Settings
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from app.state import AppState
-    from engine.async_engine import AsyncEngine
+    from prefixrag.app.state import AppState
+    from prefixrag.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class LLMService:
 
 def load_llm(state: AppState) -> str | None:
     """Component loader: start the engine on the configured model (or say why not)."""
-    from engine.async_engine import AsyncEngine
+    from prefixrag.engine.async_engine import AsyncEngine
 
     settings = state.settings
     config = engine_config_from_settings(settings)

@@ -6,11 +6,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from app.prompting import PromptBuilder, load_prompt_config
-from app.services.errors import NotReadyError
+from prefixrag.app.prompting import PromptBuilder, load_prompt_config
+from prefixrag.app.services.errors import NotReadyError
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from prefixrag.app.state import AppState
 
 logger = logging.getLogger(__name__)
 

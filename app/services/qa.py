@@ -20,18 +20,18 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from app.models import Chunk, Collection, Document
-from app.prompting import BuiltPrompt, PromptBuilder, Source, Turn
-from app.qa_schemas import CitationOut, QueryIn, TurnIn, UsageOut
-from app.schemas import SearchHitOut, SearchIn
-from app.services.errors import InvalidInputError, NotReadyError, ServiceError
-from app.services.llm import LLMService
-from app.services.search import search
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.app.models import Chunk, Collection, Document
+from prefixrag.app.prompting import BuiltPrompt, PromptBuilder, Source, Turn
+from prefixrag.app.qa_schemas import CitationOut, QueryIn, TurnIn, UsageOut
+from prefixrag.app.schemas import SearchHitOut, SearchIn
+from prefixrag.app.services.errors import InvalidInputError, NotReadyError, ServiceError
+from prefixrag.app.services.llm import LLMService
+from prefixrag.app.services.search import search
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from prefixrag.app.state import AppState
 
 
 class HistoryChunkNotFoundError(ServiceError):

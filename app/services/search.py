@@ -8,11 +8,11 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.models import Chunk, Collection, Document
-from app.schemas import SearchHitOut, SearchIn, SearchOut
+from prefixrag.app.models import Chunk, Collection, Document
+from prefixrag.app.schemas import SearchHitOut, SearchIn, SearchOut
 
 if TYPE_CHECKING:
-    from retrieval.pipeline import Retriever
+    from prefixrag.retrieval.pipeline import Retriever
 
 
 def allowed_chunk_ids(

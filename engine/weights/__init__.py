@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from engine.model_config import ModelConfig
-from engine.weights.gguf_loader import load_gguf
-from engine.weights.hf_loader import load_hf_dir
-from engine.weights.weight_cache import WeightCache
+from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.weights.gguf_loader import load_gguf
+from prefixrag.engine.weights.hf_loader import load_hf_dir
+from prefixrag.engine.weights.weight_cache import WeightCache
 
 
 def load_checkpoint(

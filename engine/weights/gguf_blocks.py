@@ -11,9 +11,9 @@ import gguf
 import numpy as np
 import torch
 
-from engine.model_config import ModelConfig
-from engine.weights.gguf_loader import unpermute_rotary_rows
-from kernels.block_quant_matmul import (
+from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
+from prefixrag.kernels.block_quant_matmul import (
     MAX_K,
     SUPPORTED_GGUF_TYPES,
     BlockQuantWeight,

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import torch
 
-from engine.model_config import ModelConfig
+from prefixrag.engine.model_config import ModelConfig
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

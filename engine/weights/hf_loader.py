@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.model_config import ModelConfig
+from prefixrag.engine.model_config import ModelConfig
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.model import LlamaModel
+    from prefixrag.engine.model import LlamaModel
 
 
 def assign_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:

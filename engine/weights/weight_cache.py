@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.model_config import ModelConfig
+from prefixrag.engine.model_config import ModelConfig
 
 CACHE_FORMAT_VERSION = 1
 

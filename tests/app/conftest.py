@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from app.main import create_app
-from app.settings import Settings, packaged_embedder_path
-from app.state import AppState
-from retrieval.embedder import Embedder
+from prefixrag.app.main import create_app
+from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.app.state import AppState
+from prefixrag.retrieval.embedder import Embedder
 
 PG_ENV = "PREFIXRAG_TEST_DATABASE_URL"
 LOAD_TIMEOUT_S = 120

@@ -7,8 +7,8 @@ import re
 import httpx
 import pytest
 
-from app.cli import main
-from app.main import create_app
+from prefixrag.app.cli import main
+from prefixrag.app.main import create_app
 from tests.app.conftest import LOAD_TIMEOUT_S
 from tests.app.live_server import free_port, live_server
 from tests.app.qa_helpers import ingest_docs, qa_settings

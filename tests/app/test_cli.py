@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import main
-from app.settings import Settings
-from retrieval.embedder import Embedder
-from retrieval.vector_index import VectorIndex
+from prefixrag.app.cli import main
+from prefixrag.app.settings import Settings
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids, index_ids
 

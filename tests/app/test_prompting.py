@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.prompt_parts import source_body
-from app.prompting import (
+from prefixrag.app.prompt_parts import source_body
+from prefixrag.app.prompting import (
     PromptBuilder,
     PromptConfig,
     Source,
@@ -17,9 +17,9 @@ from app.prompting import (
     format_sources,
     load_prompt_config,
 )
-from app.services.llm import PromptTooLongError
-from app.settings import packaged_llm_path
-from engine.tokenizer import Tokenizer
+from prefixrag.app.services.llm import PromptTooLongError
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.tokenizer import Tokenizer
 
 WORDS = 'the lamp keeper storm coast ship log magma ash soil tomato água naïve 42 x=1 (a) [b] "q"'
 

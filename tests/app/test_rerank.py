@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.settings import packaged_embedder_path
-from retrieval.embedder import Embedder
-from retrieval.reranker import Reranker
+from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.reranker import Reranker
 from tests.app.conftest import make_settings, started
 from tests.retrieval.tiny_cross_encoder import KEYWORD, WORDS, build_tiny_cross_encoder
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from retrieval.embedder import Embedder
+from prefixrag.retrieval.embedder import Embedder
 from tests.app.conftest import DATABASES, app_state, fresh_database, make_settings, started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, make_pdf, upload
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.main import create_app
-from app.services.api_keys import create_key
+from prefixrag.app.main import create_app
+from prefixrag.app.services.api_keys import create_key
 from tests.app.conftest import LOAD_TIMEOUT_S
 from tests.app.live_server import live_server
 from tests.app.qa_helpers import ingest_docs, qa_settings

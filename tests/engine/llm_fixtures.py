@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.settings import packaged_llm_path
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.sampling_params import SamplingParams
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

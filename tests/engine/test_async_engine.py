@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.outputs import GenerationDelta, GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.async_engine import AsyncEngine
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 from tests.engine.llm_fixtures import make_engine
 
 PROMPTS = [

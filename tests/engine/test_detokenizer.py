@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
+from prefixrag.engine.detokenizer import IncrementalDetokenizer
 
 # A byte-level vocabulary like GPT-2's: every token is raw bytes, so a multi-byte character is
 # split across tokens exactly as in a real BPE model.
@@ -78,8 +78,8 @@ def test_any_text_and_stops(text, stops):
 
 @pytest.fixture(scope="module")
 def tokenizer(request):
-    from app.settings import packaged_llm_path
-    from engine.tokenizer import Tokenizer
+    from prefixrag.app.settings import packaged_llm_path
+    from prefixrag.engine.tokenizer import Tokenizer
 
     cache = request.config.cache.mkdir("prefixrag-engine-models")
     return Tokenizer.from_model_path(packaged_llm_path(), cache_dir=cache)

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.settings import packaged_llm_path
-from engine.attention import SeqSpan, TorchAttention, build_attention_metadata, make_backend
-from engine.model_runner import ModelRunner, StepItem, num_blocks_for_budget
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.attention import (
+    SeqSpan,
+    TorchAttention,
+    build_attention_metadata,
+    make_backend,
+)
+from prefixrag.engine.model_runner import ModelRunner, StepItem, num_blocks_for_budget
 
 TEXT = (
     "Paged attention stores the key/value cache in fixed-size blocks. A block table maps each "
@@ -126,7 +131,7 @@ def _random_step(decode_lens, extends, *, block_size=4, num_blocks=64, hq=6, hkv
     ],
 )
 def test_torch_attention_matches_kernel_references(decode_lens, extends):
-    pytest.importorskip("kernels.extend_attention")
+    pytest.importorskip("prefixrag.kernels.extend_attention")
     q, k, v, k_cache, v_cache, meta = _random_step(decode_lens, extends)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ours = TorchAttention().forward(q, k, v, k_cache, v_cache, meta)

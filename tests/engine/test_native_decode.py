@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.settings import packaged_llm_path
-from engine.model_runner import ModelRunner, StepItem
-from kernels.decode_step import MAX_ROWS
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.model_runner import ModelRunner, StepItem
+from prefixrag.kernels.decode_step import MAX_ROWS
 
 BLOCK = 8
 

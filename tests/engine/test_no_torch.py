@@ -4,13 +4,13 @@ import subprocess
 import sys
 
 PURE_MODULES = [
-    "engine.config",
-    "engine.sampling_params",
-    "engine.sequence",
-    "engine.block_pool",
-    "engine.radix_cache",
-    "engine.block_manager",
-    "engine.scheduler",
+    "prefixrag.engine.config",
+    "prefixrag.engine.sampling_params",
+    "prefixrag.engine.sequence",
+    "prefixrag.engine.block_pool",
+    "prefixrag.engine.radix_cache",
+    "prefixrag.engine.block_manager",
+    "prefixrag.engine.scheduler",
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import LLMEngine
+from prefixrag.engine.llm_engine import LLMEngine
 from tests.engine.llm_fixtures import greedy_ids, make_engine
 
 BLOCK = 16

@@ -7,18 +7,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.settings import packaged_llm_path
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner, StepItem
-from engine.quant import (
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.model_runner import ModelRunner, StepItem
+from prefixrag.engine.quant import (
     Int8Weight,
     dequantize,
     linear,
     quantize_per_channel,
     resolve_weight_quant,
 )
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling_params import SamplingParams
 from tests.engine.llm_fixtures import model_cache_dir
 
 PROMPTS = [
@@ -233,9 +233,9 @@ def test_gguf_weight_quant_needs_cpu_float32_and_a_gguf_file(tmp_path):
 def test_block_weights_leave_out_matrices_the_kernel_cannot_take(monkeypatch):
     import gguf
 
-    from engine.model_config import ModelConfig
-    from engine.weights import gguf_blocks
-    from engine.weights.gguf_loader import read_gguf_metadata
+    from prefixrag.engine.model_config import ModelConfig
+    from prefixrag.engine.weights import gguf_blocks
+    from prefixrag.engine.weights.gguf_loader import read_gguf_metadata
 
     meta = read_gguf_metadata(gguf.GGUFReader(packaged_llm_path()))
     config = ModelConfig.from_gguf_metadata(meta, has_output_weight=False)

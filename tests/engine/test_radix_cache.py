@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool
-from engine.radix_cache import RadixCache, RadixNode, block_key
+from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.radix_cache import RadixCache, RadixNode, block_key
 
 BS = 2
 

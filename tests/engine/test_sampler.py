@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.sampler import Sampler
+from prefixrag.engine.sampling_params import SamplingParams
 
 
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.sampling_params import SamplingParams
 
 
 def test_sampling_params_defaults_and_normalisation() -> None:

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
-from engine.sequence import Sequence, SequenceStatus
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
+from prefixrag.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 VOCAB = 29

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sequence import Sequence, SequenceStatus
 
 
 def test_sequence_tracks_prompt_and_completion() -> None:

@@ -7,8 +7,8 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from app.settings import packaged_llm_path
-from engine.tokenizer import Tokenizer
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -94,7 +94,7 @@ def test_cached_tokenizer_skips_conversion(ours, request, monkeypatch):
     def no_conversion(path):
         raise AssertionError(f"{path} was converted again despite the cache")
 
-    monkeypatch.setattr("engine.tokenizer._convert_gguf", no_conversion)
+    monkeypatch.setattr("prefixrag.engine.tokenizer._convert_gguf", no_conversion)
     cache_dir = request.config.cache.mkdir("prefixrag-engine-models")
     again = Tokenizer.from_gguf(packaged_llm_path(), cache_dir)
     assert again.encode(TEXTS[3]) == ours.encode(TEXTS[3])

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.settings import packaged_llm_path
 from bench.kernels_engine import synthetic_tokenizer
-from engine.attention import KernelAttention, NativeAttention, make_backend
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model import KernelRope
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, StepItem
-from engine.outputs import GenerationResult
-from engine.sampling_params import SamplingParams
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.engine.attention import KernelAttention, NativeAttention, make_backend
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.model import KernelRope
+from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.model_runner import ModelRunner, StepItem
+from prefixrag.engine.outputs import GenerationResult
+from prefixrag.engine.sampling_params import SamplingParams
 from tests.engine.llm_fixtures import make_engine, model_cache_dir
 
 HAS_CUDA = torch.cuda.is_available()
@@ -66,8 +66,8 @@ def test_random_weight_runner_with_kernel_references_matches_torch():
 @pytest.mark.skipif(HAS_CUDA, reason="with CUDA the gpu test runs the compiled kernels instead")
 def test_triton_greedy_output_matches_torch_on_cpu(request):
     # tests/conftest.py set TRITON_INTERPRET=1 before kernels/ was first imported.
-    from kernels.rms_norm import rms_norm
-    from kernels.rope import apply_rope_
+    from prefixrag.kernels.rms_norm import rms_norm
+    from prefixrag.kernels.rope import apply_rope_
 
     common = {"device": "cpu", "num_kv_blocks": 16, "block_size": BLOCK_SIZE, "max_model_len": 256}
     torch_engine = make_engine(request, attention_backend="torch", **common)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.model_config import ModelConfig
-from engine.weights import WeightCache, load_checkpoint
-from engine.weights.gguf_loader import unpermute_rotary_rows
+from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.weights import WeightCache, load_checkpoint
+from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
 
 TINY = {
     "hidden_size": 32,
@@ -135,7 +135,7 @@ def test_second_load_reads_the_cache_not_the_gguf(tiny_gguf, tmp_path, monkeypat
     def no_conversion(path: str):
         raise AssertionError(f"GGUF {path} was converted again despite the cache")
 
-    monkeypatch.setattr("engine.weights.load_gguf", no_conversion)
+    monkeypatch.setattr("prefixrag.engine.weights.load_gguf", no_conversion)
     config2, tensors2 = load_checkpoint(tiny_gguf, cache_dir)
     assert config2 == config
     assert tensors2.keys() == tensors.keys()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.settings import packaged_llm_path
-from kernels.block_quant_matmul import (
+from prefixrag.app.settings import packaged_llm_path
+from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
     block_quant_matmul,
@@ -16,7 +16,7 @@ from kernels.block_quant_matmul import (
     dequantize_torch,
     from_gguf_blocks,
 )
-from kernels.native_build import DEFAULT_FLAGS
+from prefixrag.kernels.native_build import DEFAULT_FLAGS
 
 # the portable C path, built without AVX-512, must agree too
 PORTABLE_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")

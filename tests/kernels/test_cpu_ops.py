@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.kv_write import write_kv_reference
-from kernels.paged_decode import paged_decode_attention_reference
-from kernels.rms_norm import rms_norm_reference
-from kernels.rope import apply_rope_reference_
+from prefixrag.kernels import cpu_ops
+from prefixrag.kernels.kv_write import write_kv_reference
+from prefixrag.kernels.paged_decode import paged_decode_attention_reference
+from prefixrag.kernels.rms_norm import rms_norm_reference
+from prefixrag.kernels.rope import apply_rope_reference_
 from tests.kernels.paged_batch import assert_close, make_paged_batch, naive_attention
 
 

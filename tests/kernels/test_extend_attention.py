@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.extend_attention import extend_attention, extend_attention_reference
+from prefixrag.kernels.extend_attention import extend_attention, extend_attention_reference
 from tests.kernels.paged_batch import assert_close, make_paged_batch, naive_attention, requires_gpu
 
 GQA = [(2, 2), (6, 2), (8, 1)]  # (q heads, kv heads): ratios 1, 3, 8

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.kv_write import write_kv, write_kv_reference
+from prefixrag.kernels.kv_write import write_kv, write_kv_reference
 from tests.kernels.paged_batch import requires_gpu
 
 

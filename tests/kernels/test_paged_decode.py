@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from prefixrag.kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
 from tests.kernels.paged_batch import assert_close, make_paged_batch, naive_attention, requires_gpu
 
 GQA = [(2, 2), (6, 2), (8, 1)]  # (q heads, kv heads): ratios 1, 3, 8

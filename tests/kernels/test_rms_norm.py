@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.rms_norm import rms_norm, rms_norm_reference
+from prefixrag.kernels.rms_norm import rms_norm, rms_norm_reference
 from tests.kernels.paged_batch import assert_close, requires_gpu
 
 

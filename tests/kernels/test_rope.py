@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kernels.rope import apply_rope_, apply_rope_reference_, build_cos_sin_cache
+from prefixrag.kernels.rope import apply_rope_, apply_rope_reference_, build_cos_sin_cache
 from tests.kernels.paged_batch import assert_close, requires_gpu
 
 SCALINGS = {

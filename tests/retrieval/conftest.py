@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import packaged_embedder_path
-from retrieval.embedder import Embedder
+from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.retrieval.embedder import Embedder
 from tests.retrieval.tiny_cross_encoder import build_tiny_cross_encoder
 
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.chunking import Chunker
-from retrieval.embedder import Embedder
-from retrieval.parsing import ParsedDocument, Section, parse_document
+from prefixrag.retrieval.chunking import Chunker
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.parsing import ParsedDocument, Section, parse_document
 
 
 def count_words(text: str) -> int:

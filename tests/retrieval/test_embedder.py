@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from retrieval.embedder import Embedder
+from prefixrag.retrieval.embedder import Embedder
 
 
 def test_shapes_and_unit_norm(embedder: Embedder) -> None:

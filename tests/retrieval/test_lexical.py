@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval.analyzer import Analyzer, light_stem
-from retrieval.fusion import rrf_fuse, rrf_scores
-from retrieval.lexical import BM25Params, LexicalIndex
+from prefixrag.retrieval.analyzer import Analyzer, light_stem
+from prefixrag.retrieval.fusion import rrf_fuse, rrf_scores
+from prefixrag.retrieval.lexical import BM25Params, LexicalIndex
 
 PLAIN = Analyzer(stop_words=False, stem=False, split_identifiers=False)
 CORPUS = {

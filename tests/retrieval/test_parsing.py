@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fpdf import FPDF
 
-from retrieval.parsing import (
+from prefixrag.retrieval.parsing import (
     DocumentParseError,
     UnsupportedMediaTypeError,
     detect_media_type,

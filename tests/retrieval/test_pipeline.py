@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.embedder import Embedder
-from retrieval.lexical import LexicalIndex
-from retrieval.pipeline import Retriever
-from retrieval.reranker import Reranker
-from retrieval.vector_index import VectorIndex
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.lexical import LexicalIndex
+from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.reranker import Reranker
+from prefixrag.retrieval.vector_index import VectorIndex
 from tests.retrieval.tiny_cross_encoder import toy_pair
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval.vector_index import VectorIndex
+from prefixrag.retrieval.vector_index import VectorIndex
 
 DIM = 24
 
