@@ -11,6 +11,7 @@ from typing import Any
 
 from prefixrag.app.ask_cli import register_ask
 from prefixrag.app.keys_cli import register_keys
+from prefixrag.app.models_cli import register_models
 from prefixrag.app.settings import Settings, get_settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -141,6 +142,7 @@ COMMANDS: tuple[Registrar, ...] = (
     register_index,
     register_ask,
     register_keys,
+    register_models,
 )
 
 

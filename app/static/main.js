@@ -30,7 +30,7 @@ class StatusBar {
   render(components) {
     const items = Object.entries(components).map(([name, status]) => {
       const item = document.createElement("li");
-      const kind = status === "ok" ? "ok" : status === "loading" ? "loading" : "problem";
+      const kind = componentKind(status);
       item.className = `component component-${kind}`;
       item.dataset.component = name;
       item.title = `${name}: ${status}`;
@@ -39,6 +39,12 @@ class StatusBar {
     });
     this.list.replaceChildren(...items);
   }
+}
+
+/** ok, loading, missing (an optional model not installed: the service works without it) or problem. */
+function componentKind(status) {
+  if (status === "ok" || status === "loading") return status;
+  return status.includes("not installed") ? "missing" : "problem";
 }
 
 function main() {

@@ -8,12 +8,13 @@ import numpy as np
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from app.models import Document
-from app.services.index_sync import INTERRUPTED_REASON
-from app.settings import Settings
-from app.state import AppState, ComponentLoader
-from retrieval.embedder import Embedder
-from retrieval.vector_index import VectorIndex
+from prefixrag.app.models import Document
+from prefixrag.app.services.index_sync import INTERRUPTED_REASON
+from prefixrag.app.settings import Settings
+from prefixrag.app.state import AppState, ComponentLoader
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.reranker import NOT_INSTALLED
+from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.conftest import app_state, started
 from tests.app.helpers import MARKDOWN, PLAIN_TEXT, chunk_ids, index_ids, upload
 
@@ -60,7 +61,7 @@ def test_healthz_at_once_readyz_503_until_a_slow_loader_finishes(
         assert ready.status_code == 200
         components = ready.json()["components"]
         assert {components[name] for name in ("db", "embedder", "index", "slow")} == {"ok"}
-        assert components["reranker"].startswith("unavailable: ")
+        assert components["reranker"] == NOT_INSTALLED
 
 
 class started_without_waiting(started):

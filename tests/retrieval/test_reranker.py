@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from huggingface_hub import constants
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from retrieval.reranker import Reranker
+from prefixrag.retrieval.model_hub import hub_is_reachable
+from prefixrag.retrieval.reranker import NOT_INSTALLED, Reranker
 from tests.retrieval.tiny_cross_encoder import toy_pair
 
 
@@ -47,18 +50,44 @@ def test_trained_model_prefers_relevant_passages(tiny_cross_encoder: Path) -> No
     assert scores[labels == 1].min() > scores[labels == 0].max()
 
 
-def test_unloadable_hub_name_fails_fast_and_loudly(caplog) -> None:
+def test_uncached_hub_name_offline_is_not_installed_at_once(caplog) -> None:
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="retrieval.reranker"):
+    with caplog.at_level(logging.WARNING, logger="prefixrag.retrieval.reranker"):
         reranker = Reranker("cross-encoder/this-model-is-not-cached-anywhere")
     assert time.monotonic() - start < 30  # generous: only guards against network retries
     assert not reranker.is_available
-    assert reranker.status.startswith("unavailable: ")
+    assert reranker.status == NOT_INSTALLED
     assert reranker.score("q", ["a", "b"]) is None
-    assert any("RERANKER UNAVAILABLE" in r.getMessage() for r in caplog.records)
+    assert any("RERANKER NOT INSTALLED" in r.getMessage() for r in caplog.records)
 
 
-def test_missing_path_is_unavailable(tmp_path: Path) -> None:
+def test_unreachable_hub_is_not_installed_without_retries(monkeypatch) -> None:
+    # Online mode, but the hub's endpoint is a closed port on this machine.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    assert not hub_is_reachable()
+    start = time.monotonic()
+    reranker = Reranker("cross-encoder/this-model-is-not-cached-anywhere")
+    assert time.monotonic() - start < 30  # huggingface_hub's own retries take about a minute
+    assert reranker.status == NOT_INSTALLED
+
+
+def test_missing_path_is_not_installed(tmp_path: Path) -> None:
     reranker = Reranker(str(tmp_path / "nothing-here"))
-    assert not reranker.is_available and reranker.status.startswith("unavailable: ")
-    assert not Reranker("").is_available
+    assert not reranker.is_available and reranker.status == NOT_INSTALLED
+    assert Reranker("").status == NOT_INSTALLED
+
+
+def test_a_broken_model_folder_reads_as_a_sentence_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    reranker = Reranker(str(tmp_path))
+    assert not reranker.is_available
+    assert reranker.status.startswith("unavailable: the cross-encoder could not be loaded (")
+    assert "\n" not in reranker.status and "http" not in reranker.status
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
