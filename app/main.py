@@ -10,19 +10,19 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from prefixrag.app.auth import get_tenant
-from prefixrag.app.limits import install_body_limit
-from prefixrag.app.metrics import install_metrics
-from prefixrag.app.openai_schemas import error_body
-from prefixrag.app.routes import documents, health, metrics, openai, query, search, web
-from prefixrag.app.routes.rag_chat import register_rag_model
-from prefixrag.app.services.errors import (
+from prefixrag.app.api.auth import get_tenant
+from prefixrag.app.api.body_limits import install_body_limit
+from prefixrag.app.api.routes import documents, health, metrics, openai, query, search, web
+from prefixrag.app.api.routes.rag_chat import register_rag_model
+from prefixrag.app.core.errors import (
     AuthenticationError,
     DuplicateDocumentError,
     QueueFullError,
     ServiceError,
 )
-from prefixrag.app.settings import Settings, get_settings
+from prefixrag.app.core.settings import Settings, get_settings
+from prefixrag.app.schemas.openai import error_body
+from prefixrag.app.services.metrics import install_metrics
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.services.errors import NotReadyError
-from prefixrag.app.settings import Settings
+from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.core.settings import Settings
 
 if TYPE_CHECKING:
-    from prefixrag.app.metrics import Metrics
-    from prefixrag.app.prompting import PromptBuilder
+    from prefixrag.app.prompt.builder import PromptBuilder
     from prefixrag.app.services.ingest import IngestService
     from prefixrag.app.services.llm import LLMService
+    from prefixrag.app.services.metrics import Metrics
     from prefixrag.retrieval.embedder import Embedder
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
@@ -62,7 +62,7 @@ class AppState:
         reranker: Reranker | None = None,
         loaders: list[ComponentLoader] | None = None,
     ) -> None:
-        from prefixrag.app.loaders import default_loaders
+        from prefixrag.app.startup import default_loaders
 
         self.settings = settings
         self.engine: Engine | None = None

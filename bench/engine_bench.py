@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_overhead import measure as measure_overhead
-from prefixrag.app.settings import get_settings, packaged_llm_path
+from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from prefixrag.app.settings import get_settings, packaged_llm_path
+from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]

@@ -26,9 +26,9 @@ import numpy as np
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.main import create_app
-from prefixrag.app.prompting import PromptBuilder, load_prompt_config
-from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.app.prompt.builder import PromptBuilder, load_prompt_config
 from prefixrag.retrieval.embedder import Embedder
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html/library")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.chunking import Chunker
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.parsing import parse_document

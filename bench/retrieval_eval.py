@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.chunking import Chunk, Chunker
 from prefixrag.retrieval.embedder import Embedder

@@ -5,9 +5,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from prefixrag.app.db import make_engine
-from prefixrag.app.models import Base
-from prefixrag.app.settings import get_settings
+from prefixrag.app.core.db import make_engine
+from prefixrag.app.core.models import Base
+from prefixrag.app.core.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

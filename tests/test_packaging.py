@@ -107,7 +107,7 @@ for name in {names!r}:
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.origin is not None:  # a namespace portion has no origin
         assert pathlib.Path(spec.origin).resolve().parent != repo / name, (name, spec.origin)
-from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.embedder import Embedder
 vectors = Embedder(packaged_embedder_path(), device="cpu").encode(["where is the key?"])
 print(kernels.__name__, vectors.shape)

@@ -14,8 +14,8 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.models import ApiKey, utcnow
-from prefixrag.app.services.errors import InvalidInputError
+from prefixrag.app.core.errors import InvalidInputError
+from prefixrag.app.core.models import ApiKey, utcnow
 
 KEY_PREFIX = "prk_"
 MAX_NAME_CHARS = 200

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.models import DEFAULT_TENANT, Collection
+from prefixrag.app.core.models import DEFAULT_TENANT, Collection
 
 
 def get_or_create_collection(

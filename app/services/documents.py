@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from prefixrag.app.models import Chunk, Collection, Document
-from prefixrag.app.schemas import DocumentOut, DocumentPage
-from prefixrag.app.services.errors import DocumentNotFoundError
+from prefixrag.app.core.errors import DocumentNotFoundError
+from prefixrag.app.core.models import Chunk, Collection, Document
+from prefixrag.app.schemas.documents import DocumentOut, DocumentPage
 
 
 def get_document(session: Session, document_id: int, tenant: str | None = None) -> DocumentOut:

@@ -12,7 +12,7 @@ import numpy as np
 from sqlalchemy import Row, delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.models import Chunk, Document
+from prefixrag.app.core.models import Chunk, Document
 
 if TYPE_CHECKING:
     from prefixrag.retrieval.embedder import Embedder

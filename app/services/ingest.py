@@ -19,9 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.models import DEFAULT_TENANT, Chunk, Document
-from prefixrag.app.services.collections import get_or_create_collection
-from prefixrag.app.services.errors import (
+from prefixrag.app.core.errors import (
     DocumentBusyError,
     DocumentNotFoundError,
     DuplicateDocumentError,
@@ -31,6 +29,8 @@ from prefixrag.app.services.errors import (
     ServiceError,
     UnsupportedTypeError,
 )
+from prefixrag.app.core.models import DEFAULT_TENANT, Chunk, Document
+from prefixrag.app.services.collections import get_or_create_collection
 from prefixrag.retrieval.lexical import searchable_text
 from prefixrag.retrieval.parsing import (
     DocumentParseError,

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefixrag.app.services.errors import InvalidInputError, QueueFullError, ServiceError
-from prefixrag.app.settings import Settings
+from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
+from prefixrag.app.core.settings import Settings
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
@@ -18,19 +18,6 @@ if TYPE_CHECKING:
     from prefixrag.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(ServiceError):
-    """The prompt (plus the tokens asked for) does not fit the model's context window.
-
-    ``param`` names the request field to change: the prompt, or max_tokens.
-    """
-
-    status_code = 400
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def engine_config_from_settings(settings: Settings) -> EngineConfig:

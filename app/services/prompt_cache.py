@@ -6,8 +6,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from prefixrag.app.prompting import PromptBuilder, load_prompt_config
-from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.prompt.builder import PromptBuilder, load_prompt_config
 
 if TYPE_CHECKING:
     from prefixrag.app.state import AppState

@@ -20,11 +20,11 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from prefixrag.app.models import Chunk, Collection, Document
-from prefixrag.app.prompting import BuiltPrompt, PromptBuilder, Source, Turn
-from prefixrag.app.qa_schemas import CitationOut, QueryIn, TurnIn, UsageOut
-from prefixrag.app.schemas import SearchHitOut, SearchIn
-from prefixrag.app.services.errors import InvalidInputError, NotReadyError, ServiceError
+from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputError, NotReadyError
+from prefixrag.app.core.models import Chunk, Collection, Document
+from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
+from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
+from prefixrag.app.schemas.search import SearchHitOut, SearchIn
 from prefixrag.app.services.llm import LLMService
 from prefixrag.app.services.search import search
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
@@ -32,12 +32,6 @@ from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixrag.app.state import AppState
-
-
-class HistoryChunkNotFoundError(ServiceError):
-    """An earlier turn cites a chunk that no longer exists (its document was deleted)."""
-
-    status_code = 404
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.models import Chunk, Collection, Document
-from prefixrag.app.schemas import SearchHitOut, SearchIn, SearchOut
+from prefixrag.app.core.models import Chunk, Collection, Document
+from prefixrag.app.schemas.search import SearchHitOut, SearchIn, SearchOut
 
 if TYPE_CHECKING:
     from prefixrag.retrieval.pipeline import Retriever

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.main import create_app
-from prefixrag.app.settings import Settings, packaged_embedder_path
 from prefixrag.app.state import AppState
 from prefixrag.retrieval.embedder import Embedder
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from fpdf import FPDF
 from sqlalchemy import select
 
-from prefixrag.app.models import Chunk, Document
+from prefixrag.app.core.models import Chunk, Document
 from tests.app.conftest import app_state
 
 PLAIN_TEXT = (

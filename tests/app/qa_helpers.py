@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixrag.app.ask_cli import iter_sse
-from prefixrag.app.settings import Settings, packaged_embedder_path
+from prefixrag.app.cli.ask import iter_sse
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 
 DOCS = {
     "lighthouse.txt": (

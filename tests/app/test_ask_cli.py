@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from prefixrag.app.cli import main
+from prefixrag.app.cli.main import main
 from prefixrag.app.main import create_app
 from tests.app.conftest import LOAD_TIMEOUT_S
 from tests.app.live_server import free_port, live_server

@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from prefixrag.app.cli import main
-from prefixrag.app.models import ApiKey
+from prefixrag.app.cli.main import main
+from prefixrag.app.core.errors import InvalidInputError
+from prefixrag.app.core.models import ApiKey
+from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.api_keys import create_key, list_keys, revoke_key
-from prefixrag.app.services.errors import InvalidInputError
-from prefixrag.app.settings import Settings
 from tests.app.conftest import app_state, started
 
 SECRET_TEXT = b"The vault combination of tenant A is written on the lighthouse logbook page nine."

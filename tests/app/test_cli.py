@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrag.app.cli import main
-from prefixrag.app.settings import Settings
+from prefixrag.app.cli.main import main
+from prefixrag.app.core.settings import Settings
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.conftest import started

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from prefixrag.app.settings import Settings
+from prefixrag.app.core.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from prefixrag.app.db import make_engine, make_sessionmaker
-from prefixrag.app.models import Chunk, Document
+from prefixrag.app.core.db import make_engine, make_sessionmaker
+from prefixrag.app.core.models import Chunk, Document
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.services.index_sync import reconcile_index
-from prefixrag.app.settings import Settings, packaged_embedder_path
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_util import faiss
 from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves

@@ -9,7 +9,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from prefixrag.app.services.errors import DuplicateDocumentError
+from prefixrag.app.core.errors import DuplicateDocumentError
 from prefixrag.app.services.ingest import IngestRequest
 from tests.app.conftest import app_state
 from tests.app.helpers import (

@@ -9,7 +9,7 @@ import numpy as np
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from prefixrag.app.models import Chunk, Document
+from prefixrag.app.core.models import Chunk, Document
 from prefixrag.retrieval.embedder import Embedder
 from tests.app.conftest import app_state, fresh_database, make_settings, started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, upload

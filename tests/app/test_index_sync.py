@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from prefixrag.app.models import Chunk
+from prefixrag.app.core.models import Chunk
 from prefixrag.app.services.index_sync import iter_ready_chunks
 from tests.app.conftest import app_state
 from tests.app.helpers import PLAIN_TEXT, chunk_ids, upload

@@ -8,9 +8,9 @@ import numpy as np
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from prefixrag.app.models import Document
+from prefixrag.app.core.models import Document
+from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.index_sync import INTERRUPTED_REASON
-from prefixrag.app.settings import Settings
 from prefixrag.app.state import AppState, ComponentLoader
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.reranker import NOT_INSTALLED

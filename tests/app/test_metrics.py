@@ -7,8 +7,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
+from prefixrag.app.core.models import Chunk
 from prefixrag.app.main import create_app
-from prefixrag.app.models import Chunk
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state, make_settings
 from tests.app.qa_helpers import DOCS, ingest_docs, qa_settings
 

@@ -6,7 +6,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import delete, inspect, text
 
-from prefixrag.app.db import (
+from prefixrag.app.core.db import (
     current_revision,
     downgrade_db,
     head_revision,
@@ -14,7 +14,7 @@ from prefixrag.app.db import (
     make_sessionmaker,
     upgrade_db,
 )
-from prefixrag.app.models import DEFAULT_TENANT, Base, Chunk, Collection, Document, utcnow
+from prefixrag.app.core.models import DEFAULT_TENANT, Base, Chunk, Collection, Document, utcnow
 
 TABLES = {"api_keys", "collections", "documents", "chunks"}
 

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
+from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.main import create_app
-from prefixrag.app.settings import Settings, packaged_embedder_path
 from tests.app.live_server import live_server
 
 PROMPT = "The three primary colours of light are"

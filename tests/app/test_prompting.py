@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixrag.app.prompt_parts import source_body
-from prefixrag.app.prompting import (
+from prefixrag.app.core.errors import PromptTooLongError
+from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.app.prompt.builder import (
     PromptBuilder,
     PromptConfig,
     Source,
@@ -17,8 +18,7 @@ from prefixrag.app.prompting import (
     format_sources,
     load_prompt_config,
 )
-from prefixrag.app.services.llm import PromptTooLongError
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.prompt.parts import source_body
 from prefixrag.engine.tokenizer import Tokenizer
 
 WORDS = 'the lamp keeper storm coast ship log magma ash soil tomato água naïve 42 x=1 (a) [b] "q"'

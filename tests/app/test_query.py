@@ -8,9 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.main import create_app
-from prefixrag.app.models import Chunk, Document
-from prefixrag.app.prompting import Source
+from prefixrag.app.prompt.builder import Source
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state
 from tests.app.qa_helpers import ingest_docs, parse_sse, qa_settings
 

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from prefixrag.app.api.routes.rag_chat import RAG_MODEL
 from prefixrag.app.main import create_app
-from prefixrag.app.routes.rag_chat import RAG_MODEL
 from tests.app.conftest import LOAD_TIMEOUT_S
 from tests.app.live_server import live_server
 from tests.app.qa_helpers import ingest_docs, qa_settings

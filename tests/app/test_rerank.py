@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.reranker import Reranker
 from tests.app.conftest import make_settings, started

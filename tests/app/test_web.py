@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from prefixrag.app.api.routes.web import STATIC_DIR
 from prefixrag.app.main import create_app
-from prefixrag.app.routes.web import STATIC_DIR
 from tests.app.conftest import make_settings
 
 REPO = Path(__file__).resolve().parents[2]

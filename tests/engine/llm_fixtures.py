@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.sampling_params import SamplingParams

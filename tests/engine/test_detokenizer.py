@@ -78,7 +78,7 @@ def test_any_text_and_stops(text, stops):
 
 @pytest.fixture(scope="module")
 def tokenizer(request):
-    from prefixrag.app.settings import packaged_llm_path
+    from prefixrag.app.core.settings import packaged_llm_path
     from prefixrag.engine.tokenizer import Tokenizer
 
     cache = request.config.cache.mkdir("prefixrag-engine-models")

@@ -17,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 
 ATOL = RTOL = 2e-4  # fp32 on both sides; only summation order may differ

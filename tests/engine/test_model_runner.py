@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.attention import (
     SeqSpan,
     TorchAttention,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.kernels.decode_step import MAX_ROWS
 

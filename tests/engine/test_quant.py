@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem

@@ -7,7 +7,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.tokenizer import Tokenizer
 
 TEXTS = [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.kernels_engine import synthetic_tokenizer
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.attention import KernelAttention, NativeAttention, make_backend
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixrag.app.settings import packaged_llm_path
+from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixrag.app.settings import packaged_embedder_path
+from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.embedder import Embedder
 from tests.retrieval.tiny_cross_encoder import build_tiny_cross_encoder
 

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from prefixrag.app.settings import Settings
+from prefixrag.app.core.settings import Settings
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -17,11 +17,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixrag.app.auth import TenantDep
-from prefixrag.app.deps import StateDep
-from prefixrag.app.error_responses import COMMON_CODES, error_responses, event_stream_response
-from prefixrag.app.qa_schemas import QueryIn, QueryOut
-from prefixrag.app.routes.openai import collect_until_disconnect
+from prefixrag.app.api.auth import TenantDep
+from prefixrag.app.api.deps import StateDep
+from prefixrag.app.api.routes.openai import collect_until_disconnect
+from prefixrag.app.schemas.errors import COMMON_CODES, error_responses, event_stream_response
+from prefixrag.app.schemas.query import QueryIn, QueryOut
 from prefixrag.app.services import qa
 from prefixrag.app.state import AppState
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult

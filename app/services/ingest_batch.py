@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from prefixrag.app.models import DEFAULT_TENANT
-from prefixrag.app.services.errors import DuplicateDocumentError, ServiceError
+from prefixrag.app.core.errors import DuplicateDocumentError, ServiceError
+from prefixrag.app.core.models import DEFAULT_TENANT
+from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.ingest import IngestRequest, IngestService
-from prefixrag.app.settings import Settings
 from prefixrag.app.state import AppState
 
 

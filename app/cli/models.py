@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from prefixrag.app.settings import Settings
+from prefixrag.app.core.settings import Settings
 from prefixrag.retrieval.model_hub import ModelNotInstalledError, fetch, looks_like_path
 
 Subparsers = Any  # argparse's _SubParsersAction is private

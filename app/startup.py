@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from prefixrag.app.db import make_engine, make_sessionmaker, upgrade_db
-from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
+from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixrag.app.openai_schemas import error_body
-from prefixrag.app.routes.openai import OPENAI_PATHS
-from prefixrag.app.settings import Settings
+from prefixrag.app.api.routes.openai import OPENAI_PATHS
+from prefixrag.app.core.settings import Settings
+from prefixrag.app.schemas.openai import error_body
 
 UPLOAD_PATH = "/v1/documents"
 # room for the multipart framing and form fields around an upload of max_upload_bytes

@@ -10,13 +10,14 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from prefixrag.app.auth import TenantDep
-from prefixrag.app.deps import IngestDep, SessionDep, StateDep
-from prefixrag.app.error_responses import COMMON_CODES, error_responses
-from prefixrag.app.schemas import MAX_ROW_ID, DocumentAccepted, DocumentOut, DocumentPage
+from prefixrag.app.api.auth import TenantDep
+from prefixrag.app.api.deps import IngestDep, SessionDep, StateDep
+from prefixrag.app.api.uploads import read_ingest_request
+from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.schemas.documents import DocumentAccepted, DocumentOut, DocumentPage
+from prefixrag.app.schemas.errors import COMMON_CODES, error_responses
+from prefixrag.app.schemas.fields import MAX_ROW_ID
 from prefixrag.app.services.documents import get_document, list_documents
-from prefixrag.app.services.errors import NotReadyError
-from prefixrag.app.uploads import read_ingest_request
 
 # a document id that cannot exist is refused (422) before it reaches the database
 DocumentId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]

@@ -11,21 +11,21 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from prefixrag.app.auth import TenantDep
-from prefixrag.app.deps import StateDep
-from prefixrag.app.error_responses import (
+from prefixrag.app.api.auth import TenantDep
+from prefixrag.app.api.deps import StateDep
+from prefixrag.app.core.errors import OpenAIError, ServiceError
+from prefixrag.app.schemas.errors import (
     COMMON_CODES,
     event_stream_response,
     openai_error_responses,
 )
-from prefixrag.app.openai_schemas import (
+from prefixrag.app.schemas.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     _GenerationRequest,
     error_body,
     make_usage,
 )
-from prefixrag.app.services.errors import ServiceError
 from prefixrag.app.services.llm import LLMService
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
@@ -39,15 +39,6 @@ _GENERATION_RESPONSES = {
 
 # Paths whose errors use OpenAI's envelope instead of FastAPI's {"detail": ...}.
 OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
-
-
-class OpenAIError(Exception):
-    """An error to report in OpenAI's shape."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.param = param
 
 
 def get_llm(state: StateDep) -> LLMService:

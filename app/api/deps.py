@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.services.ingest import IngestService
 from prefixrag.app.state import AppState
 from prefixrag.retrieval.pipeline import Retriever

@@ -12,12 +12,12 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from prefixrag.app.schemas import DocumentTextIn
-from prefixrag.app.services.errors import (
+from prefixrag.app.core.errors import (
     InvalidInputError,
     PayloadTooLargeError,
     UnsupportedTypeError,
 )
+from prefixrag.app.schemas.documents import DocumentTextIn
 from prefixrag.app.services.ingest import IngestRequest
 
 # Room for the multipart boundaries and the small form fields next to the file.

@@ -1,4 +1,6 @@
-"""Errors the services raise; app.main maps each to an HTTP status with a JSON body."""
+"""Every error type of the service, in one place. The services raise ServiceError subclasses;
+app/api/error_handlers.py maps each to an HTTP status with a JSON body (OpenAI's envelope on the
+OpenAI routes)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,31 @@ class NotReadyError(ServiceError):
     """A component the request needs has not finished loading."""
 
     status_code = 503
+
+
+class PromptTooLongError(ServiceError):
+    """The prompt (plus the tokens asked for) does not fit the model's context window.
+
+    ``param`` names the request field to change: the prompt, or max_tokens.
+    """
+
+    status_code = 400
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class HistoryChunkNotFoundError(ServiceError):
+    """An earlier turn cites a chunk that no longer exists (its document was deleted)."""
+
+    status_code = 404
+
+
+class OpenAIError(Exception):
+    """An error to report in OpenAI's shape."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.param = param

@@ -72,9 +72,9 @@ class PromptConfig:
 
 
 def load_prompt_config(system_prompt_file: Path | None = None) -> PromptConfig:
-    """The packaged prompt files (app/prompts/), with the system prompt read from
+    """The packaged prompt files (app/prompt/defaults/), with the system prompt read from
     `system_prompt_file` instead when given."""
-    folder = Path(__file__).parent / "prompts"
+    folder = Path(__file__).parent / "defaults"
     if system_prompt_file is not None:
         system = Path(system_prompt_file).read_text(encoding="utf-8")
     else:

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixrag.app.ask_cli import register_ask
-from prefixrag.app.keys_cli import register_keys
-from prefixrag.app.models_cli import register_models
-from prefixrag.app.settings import Settings, get_settings
+from prefixrag.app.cli.ask import register_ask
+from prefixrag.app.cli.keys import register_keys
+from prefixrag.app.cli.models import register_models
+from prefixrag.app.core.settings import Settings, get_settings
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 Registrar = Callable[[Subparsers], None]
@@ -31,7 +31,7 @@ def register_serve(subparsers: Subparsers) -> None:
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from prefixrag.app.db import upgrade_db
+    from prefixrag.app.core.db import upgrade_db
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_db(settings.resolved_database_url)
@@ -57,7 +57,7 @@ def register_db(subparsers: Subparsers) -> None:
 
 
 def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixrag.app.db import upgrade_db
+    from prefixrag.app.core.db import upgrade_db
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_db(settings.resolved_database_url, args.revision)
@@ -66,7 +66,7 @@ def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _db_downgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixrag.app.db import downgrade_db
+    from prefixrag.app.core.db import downgrade_db
 
     downgrade_db(settings.resolved_database_url, args.revision)
     print(f"database downgraded to {args.revision}")
@@ -86,7 +86,7 @@ def register_ingest(subparsers: Subparsers) -> None:
 
 
 def _ingest(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixrag.app.ingest_batch import ingest_files
+    from prefixrag.app.services.ingest_batch import ingest_files
 
     files = list(collect_files(args.paths))
     if not files:
@@ -118,8 +118,8 @@ def register_index(subparsers: Subparsers) -> None:
 
 
 def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixrag.app.loaders import open_index
     from prefixrag.app.services.index_sync import rebuild_index
+    from prefixrag.app.startup import open_index
     from prefixrag.app.state import AppState
 
     state = AppState(settings)

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from prefixrag.app.deps import StateDep
-from prefixrag.app.error_responses import error_responses
-from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.api.deps import StateDep
+from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.schemas.errors import error_responses
 
 router = APIRouter(tags=["metrics"], responses=error_responses(401, 503))
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from prefixrag.app.auth import TenantDep
-from prefixrag.app.deps import RetrieverDep, StateDep
-from prefixrag.app.error_responses import COMMON_CODES, error_responses
-from prefixrag.app.schemas import SearchIn, SearchOut
-from prefixrag.app.services.errors import NotReadyError
+from prefixrag.app.api.auth import TenantDep
+from prefixrag.app.api.deps import RetrieverDep, StateDep
+from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.schemas.errors import COMMON_CODES, error_responses
+from prefixrag.app.schemas.search import SearchIn, SearchOut
 from prefixrag.app.services.search import search
 
 router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COMMON_CODES))

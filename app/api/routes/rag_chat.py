@@ -25,12 +25,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from prefixrag.app.auth import request_tenant
-from prefixrag.app.openai_schemas import ChatCompletionRequest, error_body
-from prefixrag.app.qa_schemas import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
-from prefixrag.app.routes import openai
+from prefixrag.app.api.auth import request_tenant
+from prefixrag.app.api.routes import openai
+from prefixrag.app.core.errors import ServiceError
+from prefixrag.app.schemas.openai import ChatCompletionRequest, error_body
+from prefixrag.app.schemas.query import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
 from prefixrag.app.services import qa
-from prefixrag.app.services.errors import ServiceError
 from prefixrag.app.state import AppState
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 

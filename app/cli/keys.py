@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.api_keys import KeyInfo
-from prefixrag.app.settings import Settings
 
 
 def register_keys(subparsers: Any) -> None:
@@ -67,7 +67,7 @@ def _row(info: KeyInfo) -> str:
 def _sessions(settings: Settings) -> Any:
     import logging
 
-    from prefixrag.app.db import make_engine, make_sessionmaker, upgrade_db
+    from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # keep the key the only output line
 

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from prefixrag.app.prompt_parts import (
+from prefixrag.app.core.errors import PromptTooLongError
+from prefixrag.app.prompt.parts import (
     ANSWER_MARK,
     CONTENT_MARK,
     NO_NEW_SOURCES,
@@ -36,7 +37,6 @@ from prefixrag.app.prompt_parts import (
     source_body,
     source_header,
 )
-from prefixrag.app.services.llm import PromptTooLongError
 
 __all__ = [
     "CHUNK_ORDERS",

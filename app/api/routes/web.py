@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from starlette.staticfiles import StaticFiles
 
-STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"
 
 router = APIRouter(tags=["web"])
 

@@ -12,10 +12,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from prefixrag.app.deps import StateDep
-from prefixrag.app.models import DEFAULT_TENANT
+from prefixrag.app.api.deps import StateDep
+from prefixrag.app.core.errors import AuthenticationError, NotReadyError
+from prefixrag.app.core.models import DEFAULT_TENANT
 from prefixrag.app.services.api_keys import any_active_key, tenant_for_key
-from prefixrag.app.services.errors import AuthenticationError, NotReadyError
 
 
 def bearer_token(request: Request) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from prefixrag.app.deps import StateDep
+from prefixrag.app.api.deps import StateDep
 
 router = APIRouter(tags=["health"])
 

@@ -1,16 +1,13 @@
-"""Request and response bodies of the HTTP API, kept apart from the ORM models."""
+"""Request and response bodies of /v1/documents, kept apart from the ORM models."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$"
-# Row ids are 32-bit on PostgreSQL: a bigger one is refused here rather than by the database.
-MAX_ROW_ID = 2**31 - 1
-RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
+from prefixrag.app.schemas.fields import COLLECTION_PATTERN
 
 
 class DocumentTextIn(BaseModel):
@@ -64,44 +61,3 @@ class DocumentPage(BaseModel):
     total: int
     limit: int
     offset: int
-
-
-class SearchIn(BaseModel):
-    """A search over the ready documents, optionally limited to a collection or document ids."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    query: str = Field(min_length=1, max_length=4000)
-    top_k: int = Field(5, ge=1, le=100)
-    candidates: int = Field(50, ge=1, le=1000)
-    collection: str | None = None
-    document_ids: list[RowId] | None = Field(None, max_length=10_000)
-
-    @field_validator("query")
-    @classmethod
-    def _query_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("query is empty (only whitespace)")
-        return v
-
-
-class SearchHitOut(BaseModel):
-    """One retrieved chunk with where it sits in its document."""
-
-    chunk_id: int
-    document_id: int
-    title: str
-    text: str
-    score: float
-    rerank_score: float | None
-    start: int
-    end: int
-    page: int | None
-    heading: str | None
-
-
-class SearchOut(BaseModel):
-    """Search results, best first, and how long each stage took."""
-
-    results: list[SearchHitOut]
-    timings: dict[str, float]

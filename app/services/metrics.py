@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from prefixrag.app.models import Chunk, Document
+from prefixrag.app.core.models import Chunk, Document
 from prefixrag.engine.outputs import GenerationResult
 
 if TYPE_CHECKING:

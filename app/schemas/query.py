@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prefixrag.app.schemas import COLLECTION_PATTERN, RowId
+from prefixrag.app.schemas.fields import COLLECTION_PATTERN, RowId
 
 MAX_HISTORY_TURNS = 32
 # Questions and answers of a whole conversation together: far more than any context window
