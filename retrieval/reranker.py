@@ -67,11 +67,19 @@ class Reranker:
         if len(texts) == 0:
             return np.zeros(0, dtype=np.float32)
         pairs = [(query, text) for text in texts]
-        scores = self._model.predict(pairs, convert_to_numpy=True, show_progress_bar=False)
+        # Raw logits: a sigmoid on top only squashes them, and in float32 it turns close
+        # relevant passages into exact ties (sentence-transformers applies one by default).
+        scores = self._model.predict(
+            pairs, convert_to_numpy=True, show_progress_bar=False, activation_fn=_identity
+        )
         scores = np.asarray(scores, dtype=np.float32)
         if scores.ndim == 2:  # a multi-label head: its last label is taken as "relevant"
             scores = scores[:, -1]
         return scores
+
+
+def _identity(logits: Any) -> Any:
+    return logits
 
 
 def _load_cross_encoder(model_name_or_path: str, device: str | None) -> Any:

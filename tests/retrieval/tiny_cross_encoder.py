@@ -42,7 +42,7 @@ def toy_pair(rng: random.Random) -> tuple[str, str, float]:
     return f"where is the {KEYWORD}", " ".join(passage), label
 
 
-def build_tiny_cross_encoder(tokenizer_dir: str, out_dir: Path, steps: int = 80) -> Path:
+def build_tiny_cross_encoder(tokenizer_dir: str, out_dir: Path, steps: int = 200) -> Path:
     """A 1-layer BERT with the embedder's tokenizer, trained `steps` steps; saved to out_dir."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
