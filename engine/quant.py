@@ -17,7 +17,6 @@ batches, which is up to ~15% faster at 512+ rows, would break that.)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,6 @@ from prefixrag.kernels.block_quant_matmul import (
     block_quant_matmul,
 )
 from prefixrag.kernels.native_build import NativeBuildError, load_library
-
-if TYPE_CHECKING:
-    from prefixrag.engine.model import LlamaModel
 
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
 log = logging.getLogger(__name__)
@@ -159,7 +155,7 @@ def _block_kernel_builds() -> bool:
     return True
 
 
-def quantize_model_(model: LlamaModel) -> None:
+def quantize_model_(model: nn.Module) -> None:
     """Replace the decoder's matmul weights (q/k/v, o, gate/up, down, LM head) with
     :class:`Int8Weight`; norms, biases and the embedding lookup table stay as they are.
 
@@ -182,7 +178,7 @@ def _swap(module: nn.Module, name: str) -> None:
     setattr(module, name, Int8Weight(weight.detach()))
 
 
-def use_block_weights_(model: LlamaModel, blocks: dict[str, BlockQuantWeight]) -> None:
+def use_block_weights_(model: nn.Module, blocks: dict[str, BlockQuantWeight]) -> None:
     """Swap in block weights by attribute path (``layers.3.mlp.down_weight``); each must have
     the shape of the matrix it replaces."""
     for path, weight in blocks.items():

@@ -1,17 +1,15 @@
-"""Copy Hugging Face-named tensors into :class:`engine.model.LlamaModel`'s fused parameters."""
+"""Copy Hugging Face-named tensors into :class:`engine.model.LlamaModel`'s fused parameters.
+
+The model is typed as a plain nn.Module: model.py imports this module, so naming its class here
+would make an import loop."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from prefixrag.engine.model import LlamaModel
 
-
-def assign_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+def assign_hf_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Fill every parameter of ``model`` from ``tensors``; raise ValueError on a missing, unused
     or misshapen tensor, so a wrong checkpoint never runs with garbage weights."""
     remaining = dict(tensors)
