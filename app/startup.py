@@ -1,13 +1,18 @@
-"""The default component loaders: database, embedder, vector index (with its start-up check)
-and reranker. Each runs on the loader thread and fills in part of the AppState."""
+"""Every component loader: database, embedder, vector index (with its start-up check),
+reranker, LLM and the pinned prompt prefix. Each runs on the loader thread and fills in part of
+the AppState; `default_loaders` lists them in dependency order."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.core.settings import Settings
+from prefixrag.app.prompt.builder import PromptBuilder, load_prompt_config
+from prefixrag.app.services.llm import LLMService, engine_config_from_settings, model_id_for
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
@@ -19,14 +24,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def default_loaders() -> list[ComponentLoader]:
-    """db, embedder, index (required) and reranker (optional), in dependency order."""
-    return [
+def default_loaders(settings: Settings) -> list[ComponentLoader]:
+    """db, embedder, index (required) and reranker (optional), then, when the settings load an
+    LLM, the llm (required) and the pinned prompt prefix (optional), in dependency order."""
+    loaders = [
         ComponentLoader("db", load_db),
         ComponentLoader("embedder", load_embedder),
         ComponentLoader("index", load_index),
         ComponentLoader("reranker", load_reranker, required=False),
     ]
+    if settings.load_llm:
+        loaders.append(ComponentLoader("llm", load_llm))
+        loaders.append(ComponentLoader("prompt_cache", load_prompt_cache, required=False))
+    return loaders
 
 
 def load_db(state: AppState) -> str | None:
@@ -159,3 +169,41 @@ def load_reranker(state: AppState) -> str | None:
         lexical = state.retriever.lexical if state.retriever is not None else None
         state.retriever = make_retriever(state, state.index, reranker, lexical)
     return status
+
+
+def load_llm(state: AppState) -> str | None:
+    """Component loader: start the engine on the configured model (or say why not)."""
+    from prefixrag.engine.async_engine import AsyncEngine
+
+    settings = state.settings
+    config = engine_config_from_settings(settings)
+    engine = AsyncEngine.from_config(config)
+    state.llm = LLMService(
+        engine, model_id_for(config.model), settings, state.metrics.observe_generation
+    )
+    logger.info(
+        "llm: %s loaded, %d KV blocks of %d tokens, prefix cache %s",
+        config.model,
+        engine.num_kv_blocks,
+        config.block_size,
+        "on" if config.enable_prefix_cache else "off",
+    )
+    return None
+
+
+def load_prompt_cache(state: AppState) -> str | None:
+    """Component loader (after "llm"): the prompt builder on the model's tokenizer, with the
+    stable first part computed once and pinned so it is never evicted."""
+    state.require("llm")
+    if state.llm is None:
+        raise NotReadyError("the LLM must load before the prompt cache")
+    config = load_prompt_config(state.settings.system_prompt_file)
+    builder = PromptBuilder(state.llm.engine.tokenizer, config)
+    state.prompts = builder
+    if not state.settings.prefix_cache:
+        return "unavailable: prefix cache is off; the stable prompt is prefilled per request"
+    num_pinned = asyncio.run(state.llm.engine.pin_prefix(builder.stable_ids))
+    logger.info(
+        "prompt_cache: stable prefix of %d tokens, %d pinned", len(builder.stable_ids), num_pinned
+    )
+    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,12 +18,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.core.settings import Settings
+from prefixrag.app.services.metrics import Metrics
+from prefixrag.app.services.qa import QAPipeline
 
 if TYPE_CHECKING:
     from prefixrag.app.prompt.builder import PromptBuilder
     from prefixrag.app.services.ingest import IngestService
     from prefixrag.app.services.llm import LLMService
-    from prefixrag.app.services.metrics import Metrics
     from prefixrag.retrieval.embedder import Embedder
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
@@ -60,10 +61,8 @@ class AppState:
         *,
         embedder: Embedder | None = None,
         reranker: Reranker | None = None,
-        loaders: list[ComponentLoader] | None = None,
+        loaders: Sequence[ComponentLoader] = (),
     ) -> None:
-        from prefixrag.app.startup import default_loaders
-
         self.settings = settings
         self.engine: Engine | None = None
         self.sessions: sessionmaker[Session] | None = None
@@ -74,13 +73,13 @@ class AppState:
         self.ingest: IngestService | None = None
         self.llm: LLMService | None = None
         self.prompts: PromptBuilder | None = None
-        self.metrics: Metrics | None = None
+        self.metrics = Metrics(llm=lambda: self.llm, sessions=lambda: self.sessions)
         self.components: dict[str, str] = {}
         self.loaders: list[ComponentLoader] = []
         self._lock = threading.Lock()
         self._loaded = threading.Event()
         self._thread: threading.Thread | None = None
-        for loader in default_loaders() if loaders is None else loaders:
+        for loader in loaders:
             self.add_loader(loader)
 
     def add_loader(self, loader: ComponentLoader) -> None:
@@ -143,6 +142,25 @@ class AppState:
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until every loader has finished (whatever its outcome); False on timeout."""
         return self._loaded.wait(timeout)
+
+    def qa_pipeline(self) -> QAPipeline:
+        """The loaded Q&A pipeline; NotReadyError (503) while any part of it is loading."""
+        self.require("db", "embedder", "index", "llm")
+        if (
+            self.sessions is None
+            or self.retriever is None
+            or self.llm is None
+            or self.prompts is None
+        ):
+            raise NotReadyError("the Q&A pipeline is not ready (prompt builder not loaded)")
+        return QAPipeline(
+            sessions=self.sessions,
+            retriever=self.retriever,
+            llm=self.llm,
+            prompts=self.prompts,
+            settings=self.settings,
+            on_retrieval=self.metrics.observe_retrieval,
+        )
 
     def check_db(self) -> None:
         """Run a trivial query, raising if the database is unreachable."""

@@ -28,7 +28,7 @@ from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.chunking import Chunker
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.parsing import parse_document
-from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
 
@@ -115,13 +115,13 @@ def bench_latency(
     padded /= np.linalg.norm(padded, axis=1, keepdims=True)
     index = VectorIndex(embedder.dim, use_gpu="no")
     index.add(np.arange(size), padded)
-    fetch = lambda ids: {i: texts[picks[i]] for i in ids}  # noqa: E731
+    fetch = lambda ids: {i: TextPassage(texts[picks[i]]) for i in ids}  # noqa: E731
     result: dict = {"collection": size}
     first = Retriever(embedder, index, None)
     samples = []
     for q in tqdm(QUERIES * 10, desc="first stage"):
         t0 = time.perf_counter()
-        first.retrieve(q, top_k=5, candidates=50, allowed_ids=None, fetch_texts=fetch)
+        first.retrieve(q, top_k=5, candidates=50, allowed_ids=None, load_passages=fetch)
         samples.append(1000 * (time.perf_counter() - t0))
     result["first_stage"] = percentiles(samples)
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,11 +129,11 @@ def bench_latency(
         if not reranker.is_available:
             raise RuntimeError(f"bench cross-encoder failed to load: {reranker.status}")
         second = Retriever(embedder, index, reranker)
-        second.retrieve(QUERIES[0], top_k=5, candidates=50, allowed_ids=None, fetch_texts=fetch)
+        second.retrieve(QUERIES[0], top_k=5, candidates=50, allowed_ids=None, load_passages=fetch)
         stages = []
         for q in tqdm((QUERIES * 10)[:rerank_queries], desc="rerank 50"):
             t0 = time.perf_counter()
-            r = second.retrieve(q, top_k=5, candidates=50, allowed_ids=None, fetch_texts=fetch)
+            r = second.retrieve(q, top_k=5, candidates=50, allowed_ids=None, load_passages=fetch)
             stages.append((1000 * (time.perf_counter() - t0), r.timings["rerank_ms"]))
     result["rerank_50"] = percentiles([s[0] for s in stages])
     result["rerank_50"]["rerank_stage_p50_ms"] = float(np.percentile([s[1] for s in stages], 50))

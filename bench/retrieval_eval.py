@@ -29,7 +29,7 @@ from prefixrag.retrieval.fusion import rrf_fuse
 from prefixrag.retrieval.html_text import html_to_text
 from prefixrag.retrieval.lexical import LexicalIndex, searchable_text
 from prefixrag.retrieval.parsing import ParsedDocument, Section
-from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.vector_index import VectorIndex
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
@@ -156,9 +156,11 @@ def _lexical_run(lex: LexicalIndex, questions: list[dict]) -> list[list[int]]:
 
 
 def _retrieve(retriever: Retriever, query: str, texts: list[str]) -> list[int]:
-    fetch: Callable[[list[int]], dict[int, str]] = lambda ids: {i: texts[i] for i in ids}  # noqa: E731
+    fetch: Callable[[list[int]], dict[int, TextPassage]] = lambda ids: {  # noqa: E731
+        i: TextPassage(texts[i]) for i in ids
+    }
     result = retriever.retrieve(
-        query, top_k=10, candidates=CANDIDATES, allowed_ids=None, fetch_texts=fetch
+        query, top_k=10, candidates=CANDIDATES, allowed_ids=None, load_passages=fetch
     )
     return [h.chunk_id for h in result.hits]
 

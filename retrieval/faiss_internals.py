@@ -1,4 +1,5 @@
-"""Small helpers over the FAISS Python bindings, kept apart from VectorIndex's own logic."""
+"""What VectorIndex reads from inside FAISS: GPU count, id selectors, the kind of an index and
+the ids and vectors it stores (IVF lists included), over the untyped bindings."""
 
 from __future__ import annotations
 

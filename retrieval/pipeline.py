@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -15,20 +16,40 @@ from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
 
 
+class Passage(Protocol):
+    """What the caller's store hands back for a chunk id: anything with the chunk's text."""
+
+    @property
+    def text(self) -> str: ...
+
+
+@dataclass(slots=True, frozen=True)
+class TextPassage:
+    """A passage that is only its text (benchmarks and callers with no store of their own)."""
+
+    text: str
+
+
+P = TypeVar("P", bound=Passage)
+PassageLoader = Callable[[list[int]], Mapping[int, P]]
+
+
 @dataclass(slots=True)
-class Hit:
-    """A retrieved chunk: its first-stage (vector or fused) score and its rerank score if any."""
+class Hit(Generic[P]):
+    """A retrieved chunk: the caller's passage for it (its text and whatever else the store
+    keeps), its first-stage (vector or fused) score, and its rerank score if any."""
 
     chunk_id: int
     score: float
     rerank_score: float | None
+    passage: P
 
 
 @dataclass(slots=True)
-class RetrievalResult:
+class RetrievalResult(Generic[P]):
     """Hits, best first, and how long each stage took (embed_ms, search_ms, rerank_ms)."""
 
-    hits: list[Hit]
+    hits: list[Hit[P]]
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -80,12 +101,13 @@ class Retriever:
         top_k: int,
         candidates: int,
         allowed_ids: np.ndarray | None,
-        fetch_texts: Callable[[list[int]], dict[int, str]],
-    ) -> RetrievalResult:
+        load_passages: PassageLoader[P],
+    ) -> RetrievalResult[P]:
         """The top_k chunks for `query` among `allowed_ids` (None = all), best first.
 
-        `fetch_texts` maps chunk ids to their texts; it is called once, only when a reranker
-        needs them. Ids it doesn't return are dropped (e.g. deleted meanwhile).
+        `load_passages` maps chunk ids to the caller's passages; it is called once: for every
+        candidate when a reranker reads their texts, else for the first top_k. Ids it doesn't
+        return are dropped (deleted meanwhile, say).
         """
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -100,48 +122,47 @@ class Retriever:
         t0 = time.perf_counter()
         scores, ids = self.index.search(query_vector, candidates, allowed_ids)
         found = ids[0] >= 0
-        hits = [
-            Hit(int(i), float(s), None)
-            for i, s in zip(ids[0][found], scores[0][found], strict=True)
-        ]
+        ranked = [(int(i), float(s)) for i, s in zip(ids[0][found], scores[0][found], strict=True)]
         if self.lexical is not None:
-            hits = self._fuse(query, hits, self.lexical, candidates, allowed_ids)
+            ranked = self._fuse(query, ranked, self.lexical, candidates, allowed_ids)
         timings["search_ms"] = _ms_since(t0)
         # rerank
         t0 = time.perf_counter()
+        if not self.is_reranking:
+            ranked = ranked[:top_k]
+        passages = load_passages([chunk_id for chunk_id, _ in ranked]) if ranked else {}
+        hits = [Hit(i, score, None, passages[i]) for i, score in ranked if i in passages]
         if hits and self.is_reranking:
-            hits = self._rerank(query, hits, fetch_texts)
+            hits = self._rerank(query, hits)
         timings["rerank_ms"] = _ms_since(t0)
         return RetrievalResult(hits[:top_k], timings)
 
     def _fuse(
         self,
         query: str,
-        dense_hits: list[Hit],
+        dense: list[tuple[int, float]],
         lexical: LexicalIndex,
         candidates: int,
         allowed_ids: np.ndarray | None,
-    ) -> list[Hit]:
+    ) -> list[tuple[int, float]]:
         _, lexical_ids = lexical.search(query, candidates, allowed_ids)
-        dense_ids = [h.chunk_id for h in dense_hits]
+        dense_ids = [chunk_id for chunk_id, _ in dense]
         fused = rrf_scores(
             [dense_ids, lexical_ids.tolist()], [1.0, self.lexical_weight], self.rrf_k
         )
         # ties keep dense order first, then BM25 order (dicts keep insertion order)
         order = sorted(enumerate(fused), key=lambda item: (-fused[item[1]], item[0]))
-        return [Hit(chunk_id, fused[chunk_id], None) for _, chunk_id in order[:candidates]]
+        return [(chunk_id, fused[chunk_id]) for _, chunk_id in order[:candidates]]
 
-    def _rerank(
-        self, query: str, hits: list[Hit], fetch_texts: Callable[[list[int]], dict[int, str]]
-    ) -> list[Hit]:
-        texts_by_id = fetch_texts([h.chunk_id for h in hits])
-        hits = [h for h in hits if h.chunk_id in texts_by_id]
-        texts = [texts_by_id[h.chunk_id] for h in hits]
+    def _rerank(self, query: str, hits: list[Hit[P]]) -> list[Hit[P]]:
+        texts = [hit.passage.text for hit in hits]
         rerank_scores = self.reranker.score(query, texts) if self.reranker is not None else None
         if rerank_scores is None:
             return hits
         order = np.argsort(-rerank_scores, kind="stable")
-        return [Hit(hits[i].chunk_id, hits[i].score, float(rerank_scores[i])) for i in order]
+        for hit, score in zip(hits, rerank_scores, strict=True):
+            hit.rerank_score = float(score)
+        return [hits[i] for i in order]
 
 
 def _ms_since(t0: float) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixrag.retrieval.faiss_util import (
+from prefixrag.retrieval.faiss_internals import (
     faiss,
     gpu_count,
     id_selector,

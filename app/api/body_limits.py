@@ -13,9 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixrag.app.api.routes.openai import OPENAI_PATHS
 from prefixrag.app.core.settings import Settings
-from prefixrag.app.schemas.openai import error_body
+from prefixrag.app.schemas.openai import OPENAI_PATHS, error_body
 
 UPLOAD_PATH = "/v1/documents"
 # room for the multipart framing and form fields around an upload of max_upload_bytes

@@ -1,17 +1,22 @@
-"""FastAPI dependencies as `Annotated` aliases: the app state, a DB session, the services."""
+"""Every FastAPI dependency of the API, as `Annotated` aliases: the app state, a DB session,
+the tenant, and each loaded service (503 until it has loaded)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.api.auth import bearer_token, resolve_tenant
+from prefixrag.app.core.errors import NotReadyError, OpenAIError
 from prefixrag.app.services.ingest import IngestService
+from prefixrag.app.services.llm import LLMService
 from prefixrag.app.state import AppState
 from prefixrag.retrieval.pipeline import Retriever
+
+T = TypeVar("T")
 
 
 def get_state(request: Request) -> AppState:
@@ -26,21 +31,43 @@ StateDep = Annotated[AppState, Depends(get_state)]
 def get_db(state: StateDep) -> Iterator[Session]:
     """A session for one request; 503 until the database is ready."""
     state.require("db")
-    if state.sessions is None:
-        raise NotReadyError("database is not ready")
-    with state.sessions() as session:
+    with loaded(state.sessions, "database")() as session:
         yield session
 
 
 SessionDep = Annotated[Session, Depends(get_db)]
 
 
+def get_tenant(request: Request, state: StateDep) -> str:
+    """The tenant of this request (resolved once per request); 401 for a missing or wrong key
+    once keys are in use."""
+    cached: str | None = getattr(request.state, "tenant", None)
+    if cached is not None:
+        return cached
+    token = bearer_token(request)
+    state.require("db")
+    with loaded(state.sessions, "database")() as session:
+        tenant = resolve_tenant(
+            session=session, token=token, require_auth=state.settings.require_auth
+        )
+    request.state.tenant = tenant
+    return tenant
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]
+
+
+def loaded(component: T | None, name: str) -> T:
+    """`component` once it has loaded; NotReadyError (503) before."""
+    if component is None:
+        raise NotReadyError(f"{name} is not ready")
+    return component
+
+
 def get_ingest(state: StateDep) -> IngestService:
     """The ingest service; 503 until the database, embedder and index are ready."""
     state.require("db", "embedder", "index")
-    if state.ingest is None:
-        raise NotReadyError("ingest service is not ready")
-    return state.ingest
+    return loaded(state.ingest, "ingest service")
 
 
 IngestDep = Annotated[IngestService, Depends(get_ingest)]
@@ -49,9 +76,17 @@ IngestDep = Annotated[IngestService, Depends(get_ingest)]
 def get_retriever(state: StateDep) -> Retriever:
     """The retriever; 503 until the database, embedder and index are ready."""
     state.require("db", "embedder", "index")
-    if state.retriever is None:
-        raise NotReadyError("retriever is not ready")
-    return state.retriever
+    return loaded(state.retriever, "retriever")
 
 
 RetrieverDep = Annotated[Retriever, Depends(get_retriever)]
+
+
+def get_llm(state: StateDep) -> LLMService:
+    """The LLM service; an OpenAI-style 503 until it has loaded."""
+    if state.llm is None or state.status("llm") != "ok":
+        raise OpenAIError(f"the model is not ready ({state.status('llm')})", status_code=503)
+    return state.llm
+
+
+LLMDep = Annotated[LLMService, Depends(get_llm)]

@@ -16,18 +16,17 @@ prompt, only a shorter cache hit.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from itertools import pairwise
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from prefixrag.app.api.auth import request_tenant
-from prefixrag.app.api.routes import openai
-from prefixrag.app.core.errors import ServiceError
+from prefixrag.app.api.openai_shapes import ChatShape
+from prefixrag.app.api.sse import DONE, collect_until_disconnect, data_event, event_stream
+from prefixrag.app.core.errors import OpenAIError, ServiceError
 from prefixrag.app.schemas.openai import ChatCompletionRequest, error_body
 from prefixrag.app.schemas.query import MAX_HISTORY_TURNS, CitationOut, QueryIn, TurnIn
 from prefixrag.app.services import qa
@@ -38,32 +37,28 @@ RAG_MODEL = "prefixrag-rag"
 SOURCES_MARK = "\n\nSources:\n"
 
 
-def register_rag_model() -> None:
-    """Serve RAG_MODEL on /v1/chat/completions (and list it on /v1/models); idempotent."""
-    openai.EXTRA_CHAT_MODELS[RAG_MODEL] = rag_chat_completion
-
-
-async def rag_chat_completion(request: Request, body: ChatCompletionRequest) -> Any:
+async def rag_chat_completion(
+    request: Request, body: ChatCompletionRequest, state: AppState, tenant: str
+) -> Any:
     """Answer the last user message from the documents, in OpenAI's chat shape."""
-    state: AppState = request.app.state.prefixrag
-    prepared = await _prepare(state, body, request_tenant(request))
+    try:
+        pipeline = state.qa_pipeline()
+    except ServiceError as exc:
+        raise OpenAIError(str(exc), exc.status_code) from exc
+    prepared = await _prepare(pipeline, body, tenant)
     cited = qa.citations(prepared)
-    shape = openai.ChatShape(RAG_MODEL)
-    stream = qa.answer_stream(state, prepared)
+    shape = ChatShape(RAG_MODEL)
+    stream = qa.answer_stream(pipeline=pipeline, prepared=prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_events(state, stream, shape, cited, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    result = await openai.collect_until_disconnect(request, stream)
+        return event_stream(_chat_events(stream, shape, cited, include_usage))
+    result = await collect_until_disconnect(request, stream)
     if result is None:
         return JSONResponse(error_body("client disconnected"), status_code=499)
     response = shape.full(result)
     response["choices"][0]["message"]["content"] = result.text + sources_block(cited)
     response["citations"] = [c.model_dump() for c in cited]
     return response
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sources_block(cited: list[CitationOut]) -> str:
@@ -74,11 +69,15 @@ def sources_block(cited: list[CitationOut]) -> str:
     return SOURCES_MARK + "\n".join(lines)
 
 
-async def _prepare(state: AppState, body: ChatCompletionRequest, tenant: str) -> qa.PreparedAnswer:
+async def _prepare(
+    pipeline: qa.QAPipeline, body: ChatCompletionRequest, tenant: str
+) -> qa.PreparedAnswer:
     question, pairs = conversation(body)
     try:
         questions = [q for q, _ in pairs]
-        chunk_ids = await qa.recover_chunk_ids(state, questions, tenant)
+        chunk_ids = await qa.recover_chunk_ids(
+            pipeline=pipeline, questions=questions, tenant=tenant
+        )
         history = [
             TurnIn(question=q, answer=a, chunk_ids=ids)
             for (q, a), ids in zip(pairs, chunk_ids, strict=True)
@@ -93,11 +92,11 @@ async def _prepare(state: AppState, body: ChatCompletionRequest, tenant: str) ->
             temperature=body.temperature,
             history=history,
         )
-        return await qa.prepare_answer(state, query, tenant)
+        return await qa.prepare_answer(pipeline=pipeline, query=query, tenant=tenant)
     except ValidationError as exc:
-        raise openai.OpenAIError(str(exc), 422, "messages") from exc
+        raise OpenAIError(str(exc), 422, "messages") from exc
     except ServiceError as exc:
-        raise openai.OpenAIError(str(exc), exc.status_code) from exc
+        raise OpenAIError(str(exc), exc.status_code) from exc
 
 
 def conversation(body: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
@@ -108,7 +107,7 @@ def conversation(body: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]
         (i for i, m in enumerate(messages) if m.role == "user" and m.text().strip()), default=-1
     )
     if last < 0:
-        raise openai.OpenAIError("the conversation has no user message", param="messages")
+        raise OpenAIError("the conversation has no user message", param="messages")
     pairs: list[tuple[str, str]] = []
     for before, after in pairwise(messages[:last]):
         if before.role == "user" and after.role == "assistant" and before.text().strip():
@@ -120,31 +119,30 @@ def conversation(body: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]
 
 
 async def _chat_events(
-    state: AppState,
     stream: AsyncIterator[GenerationDelta | GenerationResult],
-    shape: openai.ChatShape,
+    shape: ChatShape,
     cited: list[CitationOut],
     include_usage: bool,
 ) -> AsyncIterator[str]:
     first = shape.start()
     if first is not None:
-        yield openai.sse_event(first)
+        yield data_event(first)
     try:
         async for item in stream:
             if isinstance(item, GenerationDelta):
                 if item.text:
-                    yield openai.sse_event(shape.delta(item.text))
+                    yield data_event(shape.delta(item.text))
                 continue
             block = sources_block(cited)
             if block:
-                yield openai.sse_event(shape.delta(block))
+                yield data_event(shape.delta(block))
             last = shape.finish(item.finish_reason)
             last["citations"] = [c.model_dump() for c in cited]
-            yield openai.sse_event(last)
+            yield data_event(last)
             if include_usage:
-                yield openai.sse_event(shape.usage_chunk(item))
+                yield data_event(shape.usage_chunk(item))
     except Exception as exc:  # mid-stream: tell the client in-band
-        yield f"data: {json.dumps(error_body(f'generation failed: {exc}'))}\n\n"
+        yield data_event(error_body(f"generation failed: {exc}"))
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    yield DONE

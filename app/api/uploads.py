@@ -1,10 +1,12 @@
-"""Read a POST /v1/documents body (multipart file or JSON text) into an IngestRequest,
-refusing oversized bodies early (Content-Length) and while streaming (byte count)."""
+"""Read a POST /v1/documents body (multipart file or JSON text) into an IngestRequest.
+
+The body's size is bounded before this reads it (api/body_limits.py), and the document's own
+size is checked where every document enters, in the ingest service."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -12,60 +14,27 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from prefixrag.app.core.errors import (
-    InvalidInputError,
-    PayloadTooLargeError,
-    UnsupportedTypeError,
-)
+from prefixrag.app.core.errors import InvalidInputError, UnsupportedTypeError
 from prefixrag.app.schemas.documents import DocumentTextIn
 from prefixrag.app.services.ingest import IngestRequest
 
-# Room for the multipart boundaries and the small form fields next to the file.
-MULTIPART_OVERHEAD_BYTES = 1 << 20
 MAX_FIELD_BYTES = 256 * 1024
 
 
-async def read_ingest_request(request: Request, max_upload_bytes: int) -> IngestRequest:
-    """Parse the upload; raises PayloadTooLargeError, UnsupportedTypeError or InvalidInputError."""
-    body_limit = max_upload_bytes + MULTIPART_OVERHEAD_BYTES
-    _check_content_length(request.headers, body_limit)
+async def read_ingest_request(request: Request) -> IngestRequest:
+    """Parse the upload; raises UnsupportedTypeError or InvalidInputError."""
     content_type = request.headers.get("content-type", "").lower()
-    stream = _limited(request.stream(), body_limit)
     if content_type.startswith("multipart/form-data"):
-        return await _from_multipart(request.headers, stream, max_upload_bytes)
+        return await _from_multipart(request.headers, request.stream())
     if content_type.startswith("application/json"):
-        return await _from_json(stream)
+        return await _from_json(request.stream())
     raise UnsupportedTypeError(
         f"request body type {content_type or 'missing'!r}: send multipart/form-data with a "
         "'file' field, or application/json with a 'text' field"
     )
 
 
-def _check_content_length(headers: Headers, body_limit: int) -> None:
-    declared = headers.get("content-length")
-    if declared is None:
-        return
-    try:
-        num_bytes = int(declared)
-    except ValueError:
-        raise InvalidInputError(f"invalid Content-Length header {declared!r}") from None
-    if num_bytes > body_limit:
-        raise PayloadTooLargeError(f"request body is {num_bytes} bytes; the limit is {body_limit}")
-
-
-async def _limited(stream: AsyncIterator[bytes], body_limit: int) -> AsyncGenerator[bytes, None]:
-    # Content-Length can be absent (chunked) or wrong, so count what actually arrives.
-    num_bytes = 0
-    async for part in stream:
-        num_bytes += len(part)
-        if num_bytes > body_limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {body_limit} bytes")
-        yield part
-
-
-async def _from_multipart(
-    headers: Headers, stream: AsyncGenerator[bytes, None], max_upload_bytes: int
-) -> IngestRequest:
+async def _from_multipart(headers: Headers, stream: AsyncIterator[bytes]) -> IngestRequest:
     parser = MultiPartParser(
         headers, stream, max_files=1, max_fields=16, max_part_size=MAX_FIELD_BYTES
     )
@@ -77,11 +46,7 @@ async def _from_multipart(
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise InvalidInputError("the multipart body needs a 'file' field holding the document")
-        data = await upload.read(max_upload_bytes + 1)
-        if len(data) > max_upload_bytes:
-            raise PayloadTooLargeError(
-                f"file {upload.filename!r} exceeds the limit of {max_upload_bytes} bytes"
-            )
+        data = await upload.read()
         fields = {key: value for key, value in form.items() if isinstance(value, str)}
         return IngestRequest(
             data=data,

@@ -13,6 +13,7 @@ from prefixrag.app.core.errors import DuplicateDocumentError, ServiceError
 from prefixrag.app.core.models import DEFAULT_TENANT
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.ingest import IngestRequest, IngestService
+from prefixrag.app.startup import default_loaders
 from prefixrag.app.state import AppState
 
 
@@ -49,7 +50,7 @@ def ingest_files(
     tenant: str = DEFAULT_TENANT,
 ) -> BatchReport:
     """Load what ingestion needs (db, embedder, index) and ingest `files` one after another."""
-    state = AppState(settings)
+    state = AppState(settings, loaders=default_loaders(settings))
     try:
         state.load_all({"db", "embedder", "index"})
         state.require("db", "embedder", "index")

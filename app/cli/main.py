@@ -86,7 +86,7 @@ def register_ingest(subparsers: Subparsers) -> None:
 
 
 def _ingest(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixrag.app.services.ingest_batch import ingest_files
+    from prefixrag.app.cli.ingest import ingest_files
 
     files = list(collect_files(args.paths))
     if not files:
@@ -119,10 +119,10 @@ def register_index(subparsers: Subparsers) -> None:
 
 def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
     from prefixrag.app.services.index_sync import rebuild_index
-    from prefixrag.app.startup import open_index
+    from prefixrag.app.startup import default_loaders, open_index
     from prefixrag.app.state import AppState
 
-    state = AppState(settings)
+    state = AppState(settings, loaders=default_loaders(settings))
     try:
         state.load_all({"db", "embedder"})
         state.require("db", "embedder")

@@ -118,3 +118,6 @@ class Chunk(Base):
     page: Mapped[int | None] = mapped_column(Integer)
     num_tokens: Mapped[int] = mapped_column(Integer)
     heading: Mapped[str | None] = mapped_column(Text)
+
+    # Loaded on purpose (joinedload) where a chunk's title is needed, never lazily.
+    document: Mapped[Document] = relationship(lazy="raise", viewonly=True)

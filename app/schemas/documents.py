@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from prefixrag.app.schemas.fields import COLLECTION_PATTERN
+from prefixrag.app.schemas.fields import COLLECTION_PATTERN, DocumentText
 
 
 class DocumentTextIn(BaseModel):
@@ -15,18 +15,11 @@ class DocumentTextIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str = Field(min_length=1)
+    text: DocumentText
     title: str | None = Field(None, max_length=500)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
     metadata: dict[str, Any] = Field(default_factory=dict)
     media_type: str = "text/plain"
-
-    @field_validator("text")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("text is empty (only whitespace)")
-        return v
 
 
 class DocumentAccepted(BaseModel):

@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Paths whose errors use OpenAI's envelope instead of FastAPI's {"detail": ...}.
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prefixrag.app.schemas.fields import COLLECTION_PATTERN, RowId
+from prefixrag.app.schemas.fields import COLLECTION_PATTERN, EarlierQuestion, Question, RowId
 
 MAX_HISTORY_TURNS = 32
 # Questions and answers of a whole conversation together: far more than any context window
@@ -18,16 +18,9 @@ class TurnIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1)
+    question: EarlierQuestion
     answer: str
     chunk_ids: list[RowId] = Field(default_factory=list, max_length=100)
-
-    @field_validator("question")
-    @classmethod
-    def _question_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("an earlier question is empty (only whitespace)")
-        return v
 
 
 class QueryIn(BaseModel):
@@ -40,7 +33,7 @@ class QueryIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1)
+    question: Question
     collection: str | None = Field(None, pattern=COLLECTION_PATTERN)
     document_ids: list[RowId] | None = Field(None, max_length=10_000)
     top_k: int | None = Field(None, ge=1, le=100)
@@ -49,13 +42,6 @@ class QueryIn(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     stream: bool = False
     history: list[TurnIn] = Field(default_factory=list, max_length=MAX_HISTORY_TURNS)
-
-    @field_validator("question")
-    @classmethod
-    def _question_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("question is empty (only whitespace)")
-        return v
 
     @model_validator(mode="after")
     def _conversation_limits(self) -> QueryIn:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from prefixrag.app.schemas.fields import RowId
+from prefixrag.app.schemas.fields import RowId, SearchQuery
 
 
 class SearchIn(BaseModel):
@@ -12,18 +12,11 @@ class SearchIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    query: str = Field(min_length=1, max_length=4000)
+    query: SearchQuery
     top_k: int = Field(5, ge=1, le=100)
     candidates: int = Field(50, ge=1, le=1000)
     collection: str | None = None
     document_ids: list[RowId] | None = Field(None, max_length=10_000)
-
-    @field_validator("query")
-    @classmethod
-    def _query_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("query is empty (only whitespace)")
-        return v
 
 
 class SearchHitOut(BaseModel):

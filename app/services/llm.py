@@ -1,4 +1,4 @@
-"""The service between HTTP and the engine: engine config from settings, prompt checks, loading."""
+"""The service between HTTP and the engine: engine config from settings, prompt checks, streams."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from prefixrag.app.state import AppState
     from prefixrag.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -70,8 +69,20 @@ class LLMService:
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
+    def resolve_max_tokens(self, requested: int | None) -> int:
+        """The max_tokens a request gets: the default when it names none, InvalidInputError
+        (422) past `max_tokens_cap`."""
+        if requested is None:
+            return self.settings.default_max_tokens
+        if requested > self.settings.max_tokens_cap:
+            raise InvalidInputError(
+                f"max_tokens must be at most {self.settings.max_tokens_cap}, got {requested}"
+            )
+        return requested
+
     def fit_max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
-        """The max_tokens to use; raises PromptTooLongError when the request cannot fit."""
+        """The max_tokens to use next to a prompt of `num_prompt_tokens`: the default shrinks to
+        the room left; PromptTooLongError when the request cannot fit."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise PromptTooLongError(
@@ -79,20 +90,17 @@ class LLMService:
                 f"has {num_prompt_tokens} tokens. Shorten the prompt.",
                 param="prompt",
             )
+        max_tokens = self.resolve_max_tokens(requested)
         if requested is None:
-            return min(self.settings.default_max_tokens, room)
-        if requested > self.settings.max_tokens_cap:
-            raise InvalidInputError(
-                f"max_tokens must be at most {self.settings.max_tokens_cap}, got {requested}"
-            )
-        if requested > room:
+            return min(max_tokens, room)
+        if max_tokens > room:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens; you asked "
-                f"for {num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt, "
-                f"{requested} for the completion). Shorten the prompt or lower max_tokens.",
+                f"for {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
                 param="max_tokens",
             )
-        return requested
+        return max_tokens
 
     def generate(
         self,
@@ -131,22 +139,3 @@ class LLMService:
         finally:
             self.num_active -= 1
             await stream.aclose()  # type: ignore[attr-defined]
-
-
-def load_llm(state: AppState) -> str | None:
-    """Component loader: start the engine on the configured model (or say why not)."""
-    from prefixrag.engine.async_engine import AsyncEngine
-
-    settings = state.settings
-    config = engine_config_from_settings(settings)
-    engine = AsyncEngine.from_config(config)
-    on_result = state.metrics.observe_generation if state.metrics is not None else None
-    state.llm = LLMService(engine, model_id_for(config.model), settings, on_result)
-    logger.info(
-        "llm: %s loaded, %d KV blocks of %d tokens, prefix cache %s",
-        config.model,
-        engine.num_kv_blocks,
-        config.block_size,
-        "on" if config.enable_prefix_cache else "off",
-    )
-    return None

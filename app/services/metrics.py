@@ -1,16 +1,16 @@
 """Prometheus metrics of one app, in a registry that app owns (no global registry state).
 
-Request counts and latencies come from an ASGI middleware; TTFT, TPOT and retrieval stage
-latencies are observed by the Q&A service; prefix-cache counters, KV block occupancy and
-documents/chunks by status are read from the engine and the database at scrape time.
+Request counts and latencies come from an ASGI middleware (app/api/metrics_middleware.py);
+TTFT, TPOT and retrieval stage latencies are observed by the Q&A service; prefix-cache counters,
+KV block occupancy and documents/chunks by status are read from the engine and the database at
+scrape time.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,9 +21,13 @@ from prefixrag.app.core.models import Chunk, Document
 from prefixrag.engine.outputs import GenerationResult
 
 if TYPE_CHECKING:
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from sqlalchemy.orm import Session, sessionmaker
 
-    from prefixrag.app.state import AppState
+    from prefixrag.app.services.llm import LLMService
+
+# Components load after the app starts: the collectors ask for them at scrape time.
+LLMSource = Callable[[], "LLMService | None"]
+SessionsSource = Callable[[], "sessionmaker[Session] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ KV_BLOCK_STATES = ("used", "free", "pinned", "cached")
 class Metrics:
     """Every series the service exports; `render()` is the /metrics body."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, *, llm: LLMSource, sessions: SessionsSource) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -63,8 +67,8 @@ class Metrics:
             )
             for stage in ("embed", "search", "rerank")
         }
-        r.register(EngineCollector(state))
-        r.register(DocumentCollector(state))
+        r.register(EngineCollector(llm))
+        r.register(DocumentCollector(sessions))
 
     def observe_retrieval(self, timings_ms: dict[str, float]) -> None:
         """Record the embed/search/rerank times of one retrieval (given in ms)."""
@@ -90,11 +94,11 @@ class Metrics:
 class EngineCollector(Collector):
     """Prefix-cache token counters and KV block gauges, read from the engine at scrape time."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, llm: LLMSource) -> None:
+        self.llm = llm
 
     def collect(self) -> Iterator[Metric]:
-        llm = self.state.llm
+        llm = self.llm()
         if llm is None:
             return
         stats = llm.engine.stats()
@@ -117,11 +121,11 @@ class EngineCollector(Collector):
 class DocumentCollector(Collector):
     """Documents and chunks by document status, counted in the database at scrape time."""
 
-    def __init__(self, state: AppState) -> None:
-        self.state = state
+    def __init__(self, sessions: SessionsSource) -> None:
+        self.sessions = sessions
 
     def collect(self) -> Iterator[Metric]:
-        sessions = self.state.sessions
+        sessions = self.sessions()
         if sessions is None:
             return
         documents = GaugeMetricFamily(
@@ -148,39 +152,3 @@ class DocumentCollector(Collector):
         for status, count in chunk_rows:
             chunks.add_metric([status], count)
         yield from (documents, chunks)
-
-
-class MetricsMiddleware:
-    """Counts requests and times them by route template (not raw path, to bound cardinality)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 500
-
-        async def send_and_note(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            elapsed = time.perf_counter() - started
-            self.metrics.observe_request(route, scope["method"], status, elapsed)
-
-
-def install_metrics(app: Any, state: AppState) -> Metrics:
-    """Give the app its own Metrics (on `state.metrics`) and the request middleware."""
-    metrics = Metrics(state)
-    state.metrics = metrics
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    return metrics

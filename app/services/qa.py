@@ -12,26 +12,36 @@ prompt repeats every earlier turn exactly, so the engine's prefix cache serves a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputError, NotReadyError
+from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputError
 from prefixrag.app.core.models import Chunk, Collection, Document
+from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
 from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
-from prefixrag.app.schemas.search import SearchHitOut, SearchIn
 from prefixrag.app.services.llm import LLMService
 from prefixrag.app.services.search import search
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.retrieval.pipeline import Hit, Retriever
 
-if TYPE_CHECKING:
-    from prefixrag.app.state import AppState
+
+@dataclass(slots=True, frozen=True)
+class QAPipeline:
+    """What answering a question needs, loaded: the database, the retriever, the LLM and the
+    prompt builder, with the settings that bound a question (and where retrieval times go)."""
+
+    sessions: sessionmaker[Session]
+    retriever: Retriever
+    llm: LLMService
+    prompts: PromptBuilder
+    settings: Settings
+    on_retrieval: Callable[[dict[str, float]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -45,11 +55,11 @@ class PreparedAnswer:
     tenant: str
 
 
-async def prepare_answer(state: AppState, query: QueryIn, tenant: str) -> PreparedAnswer:
+async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -> PreparedAnswer:
     """Check limits, retrieve the top_k sources and build the prompt (dropping the lowest-ranked
     sources if it would not fit next to max_tokens). Raises ServiceError subclasses."""
     started = time.perf_counter()
-    settings = state.settings
+    settings = pipeline.settings
     for i, question in enumerate([*(t.question for t in query.history), query.question]):
         if len(question) > settings.max_question_chars:
             where = "question" if i == len(query.history) else f"history[{i}].question"
@@ -57,39 +67,43 @@ async def prepare_answer(state: AppState, query: QueryIn, tenant: str) -> Prepar
                 f"{where} has {len(question)} characters; at most "
                 f"{settings.max_question_chars} are allowed"
             )
-    max_tokens = query.max_tokens or settings.default_max_tokens
-    if max_tokens > settings.max_tokens_cap:
-        raise InvalidInputError(
-            f"max_tokens must be at most {settings.max_tokens_cap}, got {max_tokens}"
-        )
-    llm, builder = _require_pipeline(state)
+    llm = pipeline.llm
+    max_tokens = llm.resolve_max_tokens(query.max_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=query.temperature)
-    history = await run_in_threadpool(history_turns, state, query, tenant)
-    hits, timings = await run_in_threadpool(_retrieve, state, query, tenant)
-    if state.metrics is not None:
-        state.metrics.observe_retrieval(timings)
+    history, hits, timings = await run_in_threadpool(_read, pipeline, query, tenant)
+    if pipeline.on_retrieval is not None:
+        pipeline.on_retrieval(timings)
     room = llm.max_model_len - max_tokens
-    ranked = [to_source(h) for h in hits]
-    prompt = builder.build(query.question, ranked, max_prompt_tokens=room, history=history)
+    ranked = [to_source(hit) for hit in hits]
+    prompt = pipeline.prompts.build(query.question, ranked, max_prompt_tokens=room, history=history)
     return PreparedAnswer(prompt, params, timings, started, tenant)
 
 
-def history_turns(state: AppState, query: QueryIn, tenant: str) -> list[Turn]:
+def _read(
+    pipeline: QAPipeline, query: QueryIn, tenant: str
+) -> tuple[list[Turn], list[Hit[Chunk]], dict[str, float]]:
+    # One session for everything this question reads: earlier turns, then retrieval.
+    with pipeline.sessions() as session:
+        history = history_turns(session=session, query=query, tenant=tenant)
+        hits, timings = _retrieve(
+            session=session, pipeline=pipeline, question=query.question, query=query, tenant=tenant
+        )
+    return history, hits, timings
+
+
+def history_turns(*, session: Session, query: QueryIn, tenant: str) -> list[Turn]:
     """The earlier turns with their chunks read again from the DB, in the order each turn
     listed them. Raises HistoryChunkNotFoundError (404) for a chunk that is gone or another
     tenant's, and InvalidInputError (422) for one outside the query's collection or documents."""
     if not query.history:
         return []
-    if state.sessions is None:
-        raise NotReadyError("the database is not ready")
     wanted = [i for turn in query.history for i in turn.chunk_ids]
-    with state.sessions() as session:
-        rows = session.execute(
-            select(Chunk, Document.title, Document.status, Collection.name)
-            .join(Document, Chunk.document_id == Document.id)
-            .join(Collection, Document.collection_id == Collection.id)
-            .where(Chunk.id.in_(wanted), Collection.tenant == tenant)
-        ).all()
+    rows = session.execute(
+        select(Chunk, Document.title, Document.status, Collection.name)
+        .join(Document, Chunk.document_id == Document.id)
+        .join(Collection, Document.collection_id == Collection.id)
+        .where(Chunk.id.in_(wanted), Collection.tenant == tenant)
+    ).all()
     found = {chunk.id: (chunk, title, status, name) for chunk, title, status, name in rows}
     return [_turn(i, turn, found, query) for i, turn in enumerate(query.history)]
 
@@ -119,7 +133,7 @@ def _turn(
     return Turn(turn.question, turn.answer, tuple(sources))
 
 
-def _chunk_source(chunk: Chunk, title: str) -> Source:
+def _chunk_source(chunk: Chunk, title: str, score: float = 0.0) -> Source:
     return Source(
         chunk_id=chunk.id,
         document_id=chunk.document_id,
@@ -128,45 +142,45 @@ def _chunk_source(chunk: Chunk, title: str) -> Source:
         start=chunk.char_start,
         end=chunk.char_end,
         page=chunk.page,
+        score=score,
     )
 
 
-async def recover_chunk_ids(state: AppState, questions: list[str], tenant: str) -> list[list[int]]:
+async def recover_chunk_ids(
+    *, pipeline: QAPipeline, questions: list[str], tenant: str
+) -> list[list[int]]:
     """The chunk ids each earlier question's turn added, found by retrieving it again (the same
     question over an unchanged index retrieves the same chunks), minus the chunks of the turns
     before it. Assumes no chunk of those turns was dropped to fit the context window."""
-    seen: set[int] = set()
-    chunk_ids: list[list[int]] = []
-    for question in questions:
-        query = QueryIn(
-            question=question,
-            collection=None,
-            document_ids=None,
-            top_k=None,
-            candidates=None,
-            max_tokens=None,
-            temperature=0.0,
-        )
-        hits, _ = await run_in_threadpool(_retrieve, state, query, tenant)
-        new = [h.chunk_id for h in hits if h.chunk_id not in seen]
-        chunk_ids.append(new)
-        seen.update(new)
-    return chunk_ids
+
+    def retrieve_all() -> list[list[int]]:
+        seen: set[int] = set()
+        chunk_ids: list[list[int]] = []
+        with pipeline.sessions() as session:
+            for question in questions:
+                hits, _ = _retrieve(
+                    session=session, pipeline=pipeline, question=question, query=None, tenant=tenant
+                )
+                new = [hit.chunk_id for hit in hits if hit.chunk_id not in seen]
+                chunk_ids.append(new)
+                seen.update(new)
+        return chunk_ids
+
+    return await run_in_threadpool(retrieve_all)
 
 
 def answer_stream(
-    state: AppState, prepared: PreparedAnswer
+    *, pipeline: QAPipeline, prepared: PreparedAnswer
 ) -> AsyncIterator[GenerationDelta | GenerationResult]:
     """The engine's stream for a prepared answer; closing it early aborts the generation.
 
     The stable head of the prompt (system prompt, tools, examples) is the same for everyone, so
     it is cached as public; the sources and the question are cached under the tenant's salt.
     """
-    llm, builder = _require_pipeline(state)
     ids = prepared.prompt.token_ids
-    stable = builder.stable_ids
+    stable = pipeline.prompts.stable_ids
     public = len(stable) if ids[: len(stable)] == stable else 0
-    return llm.generate(
+    return pipeline.llm.generate(
         ids, prepared.params, namespace=prepared.tenant, public_prefix_tokens=public
     )
 
@@ -216,44 +230,31 @@ def timings(prepared: PreparedAnswer, result: GenerationResult) -> dict[str, flo
     }
 
 
-def to_source(hit: SearchHitOut) -> Source:
+def to_source(hit: Hit[Chunk]) -> Source:
     """A search hit as a prompt source; the rerank score wins when there is one."""
     score = hit.rerank_score if hit.rerank_score is not None else hit.score
-    return Source(
-        chunk_id=hit.chunk_id,
-        document_id=hit.document_id,
-        title=hit.title,
-        text=hit.text,
-        start=hit.start,
-        end=hit.end,
-        page=hit.page,
-        score=score,
-    )
+    return _chunk_source(hit.passage, hit.passage.document.title, score)
 
 
 def _retrieve(
-    state: AppState, query: QueryIn, tenant: str
-) -> tuple[list[SearchHitOut], dict[str, float]]:
-    settings = state.settings
-    if state.sessions is None or state.retriever is None:
-        raise NotReadyError("retrieval is not ready")
-    top_k = query.top_k or settings.default_top_k
-    try:
-        request = SearchIn(
-            query=query.question,
-            top_k=top_k,
-            candidates=max(query.candidates or settings.default_candidates, top_k),
-            collection=query.collection,
-            document_ids=query.document_ids,
-        )
-    except ValidationError as exc:
-        raise InvalidInputError(f"cannot search for this question: {exc}") from exc
-    found = search(state.sessions, state.retriever, request, tenant)
-    return found.results, dict(found.timings)
-
-
-def _require_pipeline(state: AppState) -> tuple[LLMService, PromptBuilder]:
-    state.require("db", "embedder", "index", "llm")
-    if state.llm is None or state.prompts is None:
-        raise NotReadyError("the Q&A pipeline is not ready (prompt builder not loaded)")
-    return state.llm, state.prompts
+    *,
+    session: Session,
+    pipeline: QAPipeline,
+    question: str,
+    query: QueryIn | None,
+    tenant: str,
+) -> tuple[list[Hit[Chunk]], dict[str, float]]:
+    settings = pipeline.settings
+    top_k = (query.top_k if query else None) or settings.default_top_k
+    candidates = (query.candidates if query else None) or settings.default_candidates
+    found = search(
+        session=session,
+        retriever=pipeline.retriever,
+        query=question,
+        top_k=top_k,
+        candidates=candidates,
+        tenant=tenant,
+        collection=query.collection if query else None,
+        document_ids=query.document_ids if query else None,
+    )
+    return found.hits, dict(found.timings)

@@ -1,18 +1,14 @@
-"""Search: resolve filters to chunk ids in the DB, retrieve inside FAISS, attach chunk details."""
+"""Search: resolve filters to chunk ids in the DB, retrieve inside FAISS, and load the hits'
+chunk rows (text, offsets, document title) in one read."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, contains_eager
 
 from prefixrag.app.core.models import Chunk, Collection, Document
-from prefixrag.app.schemas.search import SearchHitOut, SearchIn, SearchOut
-
-if TYPE_CHECKING:
-    from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.pipeline import RetrievalResult, Retriever
 
 
 def allowed_chunk_ids(
@@ -42,76 +38,46 @@ def _has_other_tenants(session: Session, tenant: str) -> bool:
     return session.scalar(other) is not None
 
 
-def fetch_chunk_texts(sessions: sessionmaker[Session], chunk_ids: list[int]) -> dict[int, str]:
-    """Texts of the given chunks by id; ids that no longer exist are left out."""
+def load_ready_chunks(session: Session, chunk_ids: list[int]) -> dict[int, Chunk]:
+    """The ready chunks among `chunk_ids`, each with its document loaded (for the title); ids
+    that no longer exist, or whose document is not ready, are left out."""
     ids = [int(i) for i in chunk_ids]  # numpy ints do not bind as SQL parameters everywhere
     if not ids:
         return {}
-    with sessions() as session:
-        rows = session.execute(select(Chunk.id, Chunk.text).where(Chunk.id.in_(ids)))
-        return {chunk_id: text for chunk_id, text in rows}
+    query = (
+        select(Chunk)
+        .join(Document)
+        .options(contains_eager(Chunk.document))
+        .where(Chunk.id.in_(ids), Document.status == "ready")
+    )
+    return {chunk.id: chunk for chunk in session.scalars(query)}
 
 
 def search(
-    sessions: sessionmaker[Session],
+    *,
+    session: Session,
     retriever: Retriever,
-    request: SearchIn,
-    tenant: str | None = None,
-) -> SearchOut:
-    """The `top_k` best chunks for `request.query` among those of `tenant` (every tenant's when
-    None) that the filters allow.
+    query: str,
+    top_k: int,
+    candidates: int,
+    tenant: str | None,
+    collection: str | None = None,
+    document_ids: list[int] | None = None,
+) -> RetrievalResult[Chunk]:
+    """The `top_k` best chunks for `query` among those of `tenant` (every tenant's when None)
+    that the filters allow, each hit carrying its chunk row (text and document loaded).
 
     `candidates` is raised to `top_k` when smaller, since the reranker keeps top_k of them.
     """
-    with sessions() as session:
-        allowed = allowed_chunk_ids(
-            session,
-            collection=request.collection,
-            document_ids=request.document_ids,
-            tenant=tenant,
-        )
-    if allowed is not None and allowed.size == 0:
-        return SearchOut(results=[], timings={"embed_ms": 0.0, "search_ms": 0.0, "rerank_ms": 0.0})
-    result = retriever.retrieve(
-        request.query,
-        top_k=request.top_k,
-        candidates=max(request.candidates, request.top_k),
-        allowed_ids=allowed,
-        fetch_texts=lambda ids: fetch_chunk_texts(sessions, ids),
+    allowed = allowed_chunk_ids(
+        session, collection=collection, document_ids=document_ids, tenant=tenant
     )
-    details = _chunk_details(sessions, [int(hit.chunk_id) for hit in result.hits])
-    results = []
-    for hit in result.hits:
-        found = details.get(int(hit.chunk_id))
-        if found is None:  # deleted between the search and this lookup
-            continue
-        chunk, title = found
-        results.append(
-            SearchHitOut(
-                chunk_id=chunk.id,
-                document_id=chunk.document_id,
-                title=title,
-                text=chunk.text,
-                score=float(hit.score),
-                rerank_score=None if hit.rerank_score is None else float(hit.rerank_score),
-                start=chunk.char_start,
-                end=chunk.char_end,
-                page=chunk.page,
-                heading=chunk.heading,
-            )
-        )
-    return SearchOut(results=results, timings=dict(result.timings))
-
-
-def _chunk_details(
-    sessions: sessionmaker[Session], chunk_ids: list[int]
-) -> dict[int, tuple[Chunk, str]]:
-    if not chunk_ids:
-        return {}
-    with sessions() as session:
-        query = (
-            select(Chunk, Document.title)
-            .join(Document)
-            .where(Chunk.id.in_(chunk_ids), Document.status == "ready")
-        )
-        return {chunk.id: (chunk, title) for chunk, title in session.execute(query)}
+    if allowed is not None and allowed.size == 0:
+        return RetrievalResult([], {"embed_ms": 0.0, "search_ms": 0.0, "rerank_ms": 0.0})
+    return retriever.retrieve(
+        query,
+        top_k=top_k,
+        candidates=max(candidates, top_k),
+        allowed_ids=allowed,
+        load_passages=lambda ids: load_ready_chunks(session, ids),
+    )

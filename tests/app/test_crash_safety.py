@@ -30,7 +30,7 @@ from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.services.index_sync import reconcile_index
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.faiss_util import faiss
+from prefixrag.retrieval.faiss_internals import faiss
 from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids

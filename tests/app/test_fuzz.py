@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from schemathesis import APIOperation, Case, GenerationMode, Response
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from prefixrag.app.api.routes.openai import OPENAI_PATHS
 from prefixrag.app.main import create_app
+from prefixrag.app.schemas.openai import OPENAI_PATHS
 from tests.app.conftest import DATABASES, fresh_database
 from tests.app.live_server import live_server
 from tests.app.qa_helpers import ingest_docs, qa_settings

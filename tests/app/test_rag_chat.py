@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from prefixrag.app.api.routes.rag_chat import RAG_MODEL
+from prefixrag.app.api.rag_chat import RAG_MODEL
 from prefixrag.app.main import create_app
 from tests.app.conftest import LOAD_TIMEOUT_S
 from tests.app.live_server import live_server

@@ -10,7 +10,7 @@ import pytest
 
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.lexical import LexicalIndex
-from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
 from tests.retrieval.tiny_cross_encoder import toy_pair
@@ -37,11 +37,36 @@ def lexical(corpus: dict[int, str]) -> LexicalIndex:
     return lexical
 
 
-def fetcher(corpus: dict[int, str]):
-    def fetch(ids: list[int]) -> dict[int, str]:
-        return {i: corpus[i] for i in ids if i in corpus}
+def fetcher(corpus: dict[int, str], calls: list[list[int]] | None = None):
+    def fetch(ids: list[int]) -> dict[int, TextPassage]:
+        if calls is not None:
+            calls.append(list(ids))
+        return {i: TextPassage(corpus[i]) for i in ids if i in corpus}
 
     return fetch
+
+
+@pytest.mark.parametrize("reranking", [False, True])
+def test_passages_load_once_and_travel_with_their_hits(
+    embedder: Embedder,
+    index: VectorIndex,
+    corpus: dict[int, str],
+    tiny_cross_encoder: Path,
+    reranking: bool,
+) -> None:
+    reranker = Reranker(str(tiny_cross_encoder), device="cpu") if reranking else None
+    retriever = Retriever(embedder, index, reranker)
+    calls: list[list[int]] = []
+    result = retriever.retrieve(
+        "where is the lemon",
+        top_k=3,
+        candidates=12,
+        allowed_ids=None,
+        load_passages=fetcher(corpus, calls),
+    )
+    # one load: every candidate when the reranker reads them, else only the top_k
+    assert len(calls) == 1 and len(calls[0]) == (12 if reranking else 3)
+    assert [h.passage.text for h in result.hits] == [corpus[h.chunk_id] for h in result.hits]
 
 
 def test_reranked_order_follows_rerank_scores(
@@ -51,7 +76,7 @@ def test_reranked_order_follows_rerank_scores(
     retriever = Retriever(embedder, index, reranker)
     query = "where is the lemon"
     result = retriever.retrieve(
-        query, top_k=5, candidates=40, allowed_ids=None, fetch_texts=fetcher(corpus)
+        query, top_k=5, candidates=40, allowed_ids=None, load_passages=fetcher(corpus)
     )
     assert len(result.hits) == 5
     assert set(result.timings) == {"embed_ms", "search_ms", "rerank_ms"}
@@ -73,7 +98,7 @@ def test_first_stage_order_without_reranker(
     for reranker in (None, unavailable):
         retriever = Retriever(embedder, index, reranker)
         result = retriever.retrieve(
-            "piano", top_k=4, candidates=10, allowed_ids=None, fetch_texts=fetcher(corpus)
+            "piano", top_k=4, candidates=10, allowed_ids=None, load_passages=fetcher(corpus)
         )
         scores, ids = index.search(embedder.encode_query("piano"), 4)
         assert [h.chunk_id for h in result.hits] == ids[0].tolist()
@@ -98,7 +123,7 @@ def test_allowed_ids_are_respected(
         top_k=3,
         candidates=20,
         allowed_ids=allowed,
-        fetch_texts=fetcher(corpus),
+        load_passages=fetcher(corpus),
     )
     assert len(result.hits) == 3
     assert set(h.chunk_id for h in result.hits) <= set(allowed.tolist())
@@ -119,7 +144,7 @@ def test_hybrid_fuses_dense_and_bm25_over_the_allowed_corpus(
     )
     query = "the lemon is on the table"
     result = retriever.retrieve(
-        query, top_k=6, candidates=8, allowed_ids=allowed, fetch_texts=fetcher(corpus)
+        query, top_k=6, candidates=8, allowed_ids=allowed, load_passages=fetcher(corpus)
     )
     # reference: rank the allowed chunks by each list and sum weight / (k + rank) by hand
     _, dense_ids = index.search(embedder.encode_query(query), 8, allowed)
@@ -141,7 +166,7 @@ def test_texts_missing_from_fetch_are_dropped(
     partial = {i: t for i, t in corpus.items() if i not in deleted}
     retriever = Retriever(embedder, index, Reranker(str(tiny_cross_encoder)))
     result = retriever.retrieve(
-        "lemon", top_k=10, candidates=40, allowed_ids=None, fetch_texts=fetcher(partial)
+        "lemon", top_k=10, candidates=40, allowed_ids=None, load_passages=fetcher(partial)
     )
     assert result.hits and not deleted & {h.chunk_id for h in result.hits}
 
@@ -149,8 +174,8 @@ def test_texts_missing_from_fetch_are_dropped(
 def test_bad_parameters(embedder: Embedder, index: VectorIndex) -> None:
     retriever = Retriever(embedder, index, None)
     with pytest.raises(ValueError):
-        retriever.retrieve("q", top_k=0, candidates=5, allowed_ids=None, fetch_texts=dict)
+        retriever.retrieve("q", top_k=0, candidates=5, allowed_ids=None, load_passages=dict)
     with pytest.raises(ValueError):
-        retriever.retrieve("q", top_k=6, candidates=5, allowed_ids=None, fetch_texts=dict)
+        retriever.retrieve("q", top_k=6, candidates=5, allowed_ids=None, load_passages=dict)
     with pytest.raises(ValueError):
         Retriever(embedder, VectorIndex(8, use_gpu="no"), None)

@@ -10,8 +10,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from prefixrag.app.api.auth import TenantDep
-from prefixrag.app.api.deps import IngestDep, SessionDep, StateDep
+from prefixrag.app.api.deps import IngestDep, SessionDep, StateDep, TenantDep
 from prefixrag.app.api.uploads import read_ingest_request
 from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.schemas.documents import DocumentAccepted, DocumentOut, DocumentPage
@@ -58,7 +57,7 @@ async def create_document(
     request: Request, state: StateDep, ingest: IngestDep, tenant: TenantDep, wait: bool = False
 ) -> JSONResponse:
     """Queue a document (202), or with `?wait=true` ingest it and return it (201)."""
-    upload = await read_ingest_request(request, state.settings.max_upload_bytes)
+    upload = await read_ingest_request(request)
     upload.tenant = tenant
     ticket = await run_in_threadpool(ingest.submit, upload)
     if not wait:

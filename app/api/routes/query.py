@@ -9,27 +9,22 @@ disconnects aborts the generation and frees its KV blocks.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from prefixrag.app.api.auth import TenantDep
-from prefixrag.app.api.deps import StateDep
-from prefixrag.app.api.routes.openai import collect_until_disconnect
+from prefixrag.app.api.deps import StateDep, TenantDep
+from prefixrag.app.api.sse import collect_until_disconnect, event_stream, named_event
 from prefixrag.app.schemas.errors import COMMON_CODES, error_responses, event_stream_response
 from prefixrag.app.schemas.query import QueryIn, QueryOut
 from prefixrag.app.services import qa
-from prefixrag.app.state import AppState
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 
 router = APIRouter(prefix="/v1", tags=["query"], responses=error_responses(*COMMON_CODES))
 logger = logging.getLogger(__name__)
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post(
@@ -39,11 +34,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 )
 async def query(body: QueryIn, request: Request, state: StateDep, tenant: TenantDep) -> Any:
     """Retrieve, build the prompt and answer; `stream: true` answers with SSE events."""
-    prepared = await qa.prepare_answer(state, body, tenant)
-    stream = qa.answer_stream(state, prepared)
+    # Asked for here, not as a dependency: a malformed body is 422 even while the LLM loads.
+    pipeline = state.qa_pipeline()
+    prepared = await qa.prepare_answer(pipeline=pipeline, query=body, tenant=tenant)
+    stream = qa.answer_stream(pipeline=pipeline, prepared=prepared)
     if body.stream:
-        events = query_events(state, prepared, stream)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return event_stream(query_events(prepared, stream))
     result = await collect_until_disconnect(request, stream)
     if result is None:  # the client went away; nobody reads a response
         return JSONResponse({"detail": "client disconnected"}, status_code=499)
@@ -60,13 +56,12 @@ async def query(body: QueryIn, request: Request, state: StateDep, tenant: Tenant
 
 
 async def query_events(
-    state: AppState,
     prepared: qa.PreparedAnswer,
     stream: AsyncIterator[GenerationDelta | GenerationResult],
 ) -> AsyncIterator[str]:
     """The SSE body: citations, deltas, then done (or error)."""
     cited = [c.model_dump() for c in qa.citations(prepared)]
-    yield sse(
+    yield named_event(
         "citations",
         {
             "citations": cited,
@@ -79,7 +74,7 @@ async def query_events(
         async for item in stream:
             if isinstance(item, GenerationDelta):
                 if item.text:
-                    yield sse("delta", {"text": item.text})
+                    yield named_event("delta", {"text": item.text})
                 continue
             done = {
                 "answer": item.text,
@@ -87,15 +82,10 @@ async def query_events(
                 "timings": qa.timings(prepared, item),
                 "finish_reason": item.finish_reason,
             }
-            yield sse("done", done)
+            yield named_event("done", done)
     except Exception as exc:  # the stream has started: report in-band, not as a status code
         logger.exception("generation failed mid-stream")
-        yield sse("error", {"detail": f"generation failed: {exc}"})
+        yield named_event("error", {"detail": f"generation failed: {exc}"})
     finally:
         # On a client disconnect this closes the engine stream, which aborts the request.
         await stream.aclose()  # type: ignore[attr-defined]
-
-
-def sse(event: str, data: dict[str, Any]) -> str:
-    """One named server-sent event with a JSON payload."""
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"

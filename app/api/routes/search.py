@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from prefixrag.app.api.auth import TenantDep
-from prefixrag.app.api.deps import RetrieverDep, StateDep
-from prefixrag.app.core.errors import NotReadyError
+from prefixrag.app.api.deps import RetrieverDep, SessionDep, TenantDep
 from prefixrag.app.schemas.errors import COMMON_CODES, error_responses
-from prefixrag.app.schemas.search import SearchIn, SearchOut
+from prefixrag.app.schemas.search import SearchHitOut, SearchIn, SearchOut
 from prefixrag.app.services.search import search
 
 router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COMMON_CODES))
@@ -16,9 +14,32 @@ router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COM
 
 @router.post("/search", response_model=SearchOut)
 def search_chunks(
-    body: SearchIn, state: StateDep, retriever: RetrieverDep, tenant: TenantDep
+    body: SearchIn, session: SessionDep, retriever: RetrieverDep, tenant: TenantDep
 ) -> SearchOut:
     """The best `top_k` chunks for the query, filtered inside the index search."""
-    if state.sessions is None:
-        raise NotReadyError("database is not ready")
-    return search(state.sessions, retriever, body, tenant)
+    found = search(
+        session=session,
+        retriever=retriever,
+        query=body.query,
+        top_k=body.top_k,
+        candidates=body.candidates,
+        tenant=tenant,
+        collection=body.collection,
+        document_ids=body.document_ids,
+    )
+    results = [
+        SearchHitOut(
+            chunk_id=hit.chunk_id,
+            document_id=hit.passage.document_id,
+            title=hit.passage.document.title,
+            text=hit.passage.text,
+            score=hit.score,
+            rerank_score=hit.rerank_score,
+            start=hit.passage.char_start,
+            end=hit.passage.char_end,
+            page=hit.passage.page,
+            heading=hit.passage.heading,
+        )
+        for hit in found.hits
+    ]
+    return SearchOut(results=results, timings=found.timings)
