@@ -114,6 +114,23 @@ def test_block_key_separates_its_parts() -> None:
     assert block_key(b"x", b"y", [3]) == block_key(b"x", b"y", (3,))
 
 
+def test_block_keys_are_stable() -> None:
+    """Golden keys: a change of hashing or namespace encoding would orphan every cached prefix
+    (the chunk KV store on disk, the router's hashes), so it must never happen by accident."""
+    cache = RadixCache(4, BlockPool(8))
+    prompt = list(range(1, 13))  # three blocks of 4; the first 5 tokens are public
+    inserted = cache.insert(prompt, cache.block_pool.allocate(3), "tenant-a", public_tokens=5)
+    keys: list[bytes] = []
+    match = cache.match_prefix(prompt, "tenant-a", keys=keys, public_tokens=5)
+    assert match.last_node is inserted.last_node
+    assert [key.hex() for key in keys] == [
+        "0942c1f23dc74e8fadff93e4dfe78016",
+        "0ea645b1fae4a6853fe3a62eec134953",
+        "dea8db432dde94696dad4fcd75c16731",
+    ]
+    assert [n.namespace for n in path_of(match.last_node)[::-1]] == [b"", b"tenant-a", b"tenant-a"]
+
+
 def test_eviction_is_lru_over_leaves_and_tail_first() -> None:
     cache, pool = make_cache()
     a = cache_tokens(cache, pool, [1, 1, 2, 2, 3, 3])
