@@ -38,10 +38,9 @@ class BlockManager:
         """Tokens of ``seq`` that ``match`` would reuse now (no side effects)."""
         return self.cache.prefix_len(
             seq.token_ids,
-            seq.namespace,
+            seq.cache_scope,
             max_num_tokens=seq.num_tokens - 1,
             keys=seq.block_keys,
-            public_tokens=seq.public_prefix_tokens,
         )
 
     def match(self, seq: Sequence) -> int:
@@ -53,11 +52,10 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         match = self.cache.match_prefix(
             seq.token_ids,
-            seq.namespace,
+            seq.cache_scope,
             max_num_tokens=seq.num_tokens - 1,
             count_stats=False,
             keys=seq.block_keys,
-            public_tokens=seq.public_prefix_tokens,
         )
         self.cache.inc_lock_ref(match.last_node)
         seq.last_node = match.last_node
@@ -102,9 +100,8 @@ class BlockManager:
         result = self.cache.insert(
             seq.token_ids[start * bs : end * bs],
             seq.block_ids[start:end],
-            seq.namespace,
+            seq.cache_scope.after(start * bs),
             parent=parent,
-            public_tokens=max(0, seq.public_prefix_tokens - start * bs),
         )
         if not result.block_ids:
             return

@@ -27,6 +27,7 @@ from prefixrag.app.schemas import SearchHitOut, SearchIn
 from prefixrag.app.services.errors import InvalidInputError, NotReadyError, ServiceError
 from prefixrag.app.services.llm import LLMService
 from prefixrag.app.services.search import search
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 
@@ -172,9 +173,8 @@ def answer_stream(
     ids = prepared.prompt.token_ids
     stable = builder.stable_ids
     public = len(stable) if ids[: len(stable)] == stable else 0
-    return llm.generate(
-        ids, prepared.params, namespace=prepared.tenant, public_prefix_tokens=public
-    )
+    cache_scope = CacheScope(namespace=prepared.tenant, num_public_tokens=public)
+    return llm.generate(ids, prepared.params, cache_scope=cache_scope)
 
 
 def citations(prepared: PreparedAnswer) -> list[CitationOut]:
