@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.radix_cache import RadixNode
 from prefixrag.engine.sampling_params import SamplingParams
 
 
@@ -42,10 +41,6 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list, init=False)
     arrival_order: int = field(default=-1, init=False)
     num_preemptions: int = field(default=0, init=False)
-    # the first num_tree_blocks of block_ids belong to the radix cache; last_node is locked
-    num_tree_blocks: int = field(default=0, init=False)
-    last_node: RadixNode | None = field(default=None, init=False)
-    block_keys: list[bytes] = field(default_factory=list, init=False)
     enqueue_step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:

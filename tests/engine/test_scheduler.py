@@ -119,8 +119,9 @@ def assert_blocks_partition(sched: Scheduler) -> None:
     tree = [n.block_id for n in cache.iter_nodes()]
     private = []
     for seq in (sched.get(i) for i in list(sched._running)):
-        private.extend(seq.block_ids[seq.num_tree_blocks :])
-        assert set(seq.block_ids[: seq.num_tree_blocks]) <= set(tree)
+        num_tree_blocks = sched.blocks.num_tree_blocks(seq)
+        private.extend(seq.block_ids[num_tree_blocks:])
+        assert set(seq.block_ids[:num_tree_blocks]) <= set(tree)
     owned = tree + private
     assert len(set(owned)) == len(owned)
     assert {b for b in range(pool.num_blocks) if pool.is_allocated(b)} == set(owned)
@@ -128,6 +129,7 @@ def assert_blocks_partition(sched: Scheduler) -> None:
 
 def assert_all_blocks_returned(sched: Scheduler) -> None:
     cache, pool = sched.cache, sched.blocks.block_pool
+    assert sched.blocks.num_tracked_seqs == 0  # finished sequences leave nothing behind
     assert cache.num_evictable_blocks == cache.num_cached_blocks  # nothing still locked
     assert pool.num_used_blocks == cache.num_cached_blocks
     cache.evict(pool.num_blocks)
