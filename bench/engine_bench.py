@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from bench.engine_overhead import measure as measure_overhead
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem
@@ -73,8 +74,8 @@ def load_peer():
     return model.eval()
 
 
-def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams, namespace: bytes):
-    seq_id = engine.add_request(ids, params, namespace=namespace)
+def run_one(engine: LLMEngine, ids: list[int], params: SamplingParams, cache_scope: CacheScope):
+    seq_id = engine.add_request(ids, params, cache_scope=cache_scope)
     while True:
         for event in engine.step():
             if event.seq_id == seq_id and hasattr(event.output, "ttft_s"):
@@ -85,10 +86,11 @@ def ttft_cold_warm(engine: LLMEngine, prefix: list[int], suffixes: list[list[int
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     cold, warm, cached = [], [], []
     for suffix in tqdm(suffixes, desc="TTFT cold/warm"):
-        ns = uuid.uuid4().bytes  # a fresh namespace sees an empty cache: a true cold start
-        cold.append(run_one(engine, prefix + suffix, one, ns).ttft_s)
+        # a fresh namespace sees an empty cache: a true cold start
+        scope = CacheScope(namespace=uuid.uuid4().hex)
+        cold.append(run_one(engine, prefix + suffix, one, scope).ttft_s)
         other = suffixes[(suffixes.index(suffix) + 1) % len(suffixes)]
-        warm_result = run_one(engine, prefix + other, one, ns)
+        warm_result = run_one(engine, prefix + other, one, scope)
         warm.append(warm_result.ttft_s)
         cached.append(warm_result.cached_tokens)
     return {

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine, StepEvent, StepFailedError
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
@@ -56,15 +57,14 @@ class AsyncEngine:
         prompt: str | SequenceOf[int],
         params: SamplingParams,
         *,
-        namespace: str | bytes = b"",
-        public_prefix_tokens: int = 0,
+        cache_scope: CacheScope = CacheScope(),
         request_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
         """Yield text deltas as tokens are decoded, then one GenerationResult.
 
         Closing the iterator early (a client disconnect) aborts the request and frees its
-        blocks. Raises ValueError for a prompt that can never run. ``namespace`` and
-        ``public_prefix_tokens`` scope the prefix cache (see LLMEngine.add_request).
+        blocks. Raises ValueError for a prompt that can never run. ``cache_scope`` scopes the
+        prefix cache (see LLMEngine.add_request).
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         loop = asyncio.get_running_loop()
@@ -74,8 +74,7 @@ class AsyncEngine:
             _post(loop, inbox.put_nowait, item)
 
         seq_id_box: list[int] = []
-        scope = (namespace, public_prefix_tokens)
-        self._submit(lambda: self._add(ids, params, scope, request_id, deliver, seq_id_box))
+        self._submit(lambda: self._add(ids, params, cache_scope, request_id, deliver, seq_id_box))
         done = False
         try:
             while True:
@@ -91,13 +90,15 @@ class AsyncEngine:
             if not done:
                 self._submit(lambda: self._abort(seq_id_box))
 
-    async def pin_prefix(self, token_ids: SequenceOf[int], namespace: str | bytes = b"") -> int:
+    async def pin_prefix(
+        self, token_ids: SequenceOf[int], cache_scope: CacheScope = CacheScope()
+    ) -> int:
         """Compute a prefix (if not cached yet) and pin it so it is never evicted; returns the
         number of pinned tokens (whole blocks only)."""
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        async for _ in self.generate(list(token_ids), params, namespace=namespace):
+        async for _ in self.generate(list(token_ids), params, cache_scope=cache_scope):
             pass
-        return await self.call(lambda engine: engine.pin_prefix(token_ids, namespace))
+        return await self.call(lambda engine: engine.pin_prefix(token_ids, cache_scope))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -137,19 +138,14 @@ class AsyncEngine:
         self,
         ids: list[int],
         params: SamplingParams,
-        scope: tuple[str | bytes, int],
+        cache_scope: CacheScope,
         request_id: str | None,
         deliver: Deliver,
         seq_id_box: list[int],
     ) -> None:
-        namespace, public_prefix_tokens = scope
         try:
             seq_id = self.engine.add_request(
-                ids,
-                params,
-                namespace=namespace,
-                public_prefix_tokens=public_prefix_tokens,
-                request_id=request_id,
+                ids, params, cache_scope=cache_scope, request_id=request_id
             )
         except ValueError as exc:
             deliver(exc)

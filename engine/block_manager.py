@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from prefixrag.engine.block_pool import BlockPool
-from prefixrag.engine.radix_cache import HashFn, RadixCache, block_key
+from prefixrag.engine.radix_cache import HashFn, RadixCache, RadixNode, block_key
 from prefixrag.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _TreeHold:
+    """One sequence's hold on the radix tree: the first ``num_tree_blocks`` of its table are tree
+    blocks, kept from eviction by one lock on ``last_node``; ``block_keys`` memoizes the block
+    keys of its tokens (they never change, so they outlive a preemption)."""
+
+    block_keys: list[bytes] = field(default_factory=list)
+    last_node: RadixNode | None = None
+    num_tree_blocks: int = 0
 
 
 class BlockManager:
     """Gives each sequence the KV blocks it needs, sharing cached prefixes through the tree.
 
-    A sequence's table is ``block_ids``: its first ``num_tree_blocks`` are tree blocks, kept from
-    eviction by one lock on ``last_node``; the rest are private to it. Computed full blocks move
-    into the tree as soon as they exist, so concurrent requests share them at once.
+    A sequence's table is ``block_ids``: its leading tree blocks are shared through the tree,
+    the rest are private to it. Computed full blocks move into the tree as soon as they exist, so
+    concurrent requests share them at once. What ties a sequence to the tree is kept here, by
+    sequence id, from its first lookup until ``forget``.
     """
 
     def __init__(
@@ -28,20 +42,30 @@ class BlockManager:
         self.cache = RadixCache(
             block_size, self.block_pool, enabled=enable_prefix_cache, hash_fn=hash_fn
         )
+        self._holds: dict[int, _TreeHold] = {}
 
     @property
     def num_allocatable_blocks(self) -> int:
         """Free blocks plus cached blocks that eviction could free."""
         return self.block_pool.num_free_blocks + self.cache.num_evictable_blocks
 
+    @property
+    def num_tracked_seqs(self) -> int:
+        """Sequences looked up or admitted and not yet forgotten."""
+        return len(self._holds)
+
+    def num_tree_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks of ``seq``'s table the tree holds (the rest are its own)."""
+        hold = self._holds.get(seq.seq_id)
+        return 0 if hold is None else hold.num_tree_blocks
+
     def prefix_len(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``match`` would reuse now (no side effects)."""
         return self.cache.prefix_len(
             seq.token_ids,
-            seq.namespace,
+            seq.cache_scope,
             max_num_tokens=seq.num_tokens - 1,
-            keys=seq.block_keys,
-            public_tokens=seq.public_prefix_tokens,
+            keys=self._hold(seq).block_keys,
         )
 
     def match(self, seq: Sequence) -> int:
@@ -49,20 +73,20 @@ class BlockManager:
 
         At most ``num_tokens - 1`` tokens are reused, so at least one is computed for logits.
         """
-        if seq.block_ids or seq.last_node is not None:
+        hold = self._hold(seq)
+        if seq.block_ids or hold.last_node is not None:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         match = self.cache.match_prefix(
             seq.token_ids,
-            seq.namespace,
+            seq.cache_scope,
             max_num_tokens=seq.num_tokens - 1,
             count_stats=False,
-            keys=seq.block_keys,
-            public_tokens=seq.public_prefix_tokens,
+            keys=hold.block_keys,
         )
         self.cache.inc_lock_ref(match.last_node)
-        seq.last_node = match.last_node
+        hold.last_node = match.last_node
+        hold.num_tree_blocks = len(match.block_ids)
         seq.block_ids = match.block_ids
-        seq.num_tree_blocks = len(match.block_ids)
         seq.num_computed_tokens = match.num_tokens
         return match.num_tokens
 
@@ -93,18 +117,18 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Move the computed full blocks of ``seq`` into the tree. Where the tree holds the same
         tokens already, the sequence switches to the tree's block and frees its own copy."""
-        start = seq.num_tree_blocks
+        hold = self._hold(seq)
+        start = hold.num_tree_blocks
         end = seq.num_computed_tokens // self.block_size
         if end <= start or not self.cache.enabled:
             return
         bs = self.block_size
-        parent = seq.last_node
+        parent = hold.last_node
         result = self.cache.insert(
             seq.token_ids[start * bs : end * bs],
             seq.block_ids[start:end],
-            seq.namespace,
+            seq.cache_scope.after(start * bs),
             parent=parent,
-            public_tokens=max(0, seq.public_prefix_tokens - start * bs),
         )
         if not result.block_ids:
             return
@@ -114,16 +138,30 @@ class BlockManager:
             self.cache.inc_lock_ref(result.last_node)
         else:
             self.cache.move_lock(parent, result.last_node)
-        seq.last_node = result.last_node
-        seq.num_tree_blocks += len(result.block_ids)
+        hold.last_node = result.last_node
+        hold.num_tree_blocks += len(result.block_ids)
 
     def release(self, seq: Sequence) -> None:
         """Drop every block of ``seq``: unlock its tree blocks (they stay cached, evictable) and
         free its private ones. Its KV progress resets to zero."""
-        if seq.last_node is not None:
-            self.cache.dec_lock_ref(seq.last_node)
-        self.block_pool.free(seq.block_ids[seq.num_tree_blocks :])
+        hold = self._holds.get(seq.seq_id)
+        num_tree_blocks = 0
+        if hold is not None:
+            if hold.last_node is not None:
+                self.cache.dec_lock_ref(hold.last_node)
+            num_tree_blocks = hold.num_tree_blocks
+            hold.last_node, hold.num_tree_blocks = None, 0
+        self.block_pool.free(seq.block_ids[num_tree_blocks:])
         seq.block_ids = []
-        seq.num_tree_blocks = 0
-        seq.last_node = None
         seq.num_computed_tokens = 0
+
+    def forget(self, seq: Sequence) -> None:
+        """``release`` a finished ``seq`` and drop all that is kept for it here."""
+        self.release(seq)
+        self._holds.pop(seq.seq_id, None)
+
+    def _hold(self, seq: Sequence) -> _TreeHold:
+        hold = self._holds.get(seq.seq_id)
+        if hold is None:
+            hold = self._holds[seq.seq_id] = _TreeHold()
+        return hold

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
 from prefixrag.engine.model_runner import ModelRunner, StepItem
@@ -100,14 +101,13 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         params: SamplingParams,
         *,
-        namespace: str | bytes = b"",
-        public_prefix_tokens: int = 0,
+        cache_scope: CacheScope = CacheScope(),
         request_id: str | None = None,
     ) -> int:
         """Queue a request; returns its seq id. ValueError if the prompt can never run.
 
-        ``namespace`` salts the request's cached blocks, except those inside its first
-        ``public_prefix_tokens`` tokens, which any namespace may share."""
+        ``cache_scope`` says which cached blocks the request may reuse and under which
+        namespace its own are cached (see :class:`CacheScope`)."""
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
@@ -120,8 +120,7 @@ class LLMEngine:
             seq_id,
             list(prompt_token_ids),
             params,
-            namespace=namespace,
-            public_prefix_tokens=public_prefix_tokens,
+            cache_scope=cache_scope,
             arrival_time=time.monotonic(),
         )
         self.scheduler.add(seq)
@@ -142,10 +141,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def pin_prefix(self, token_ids: SequenceOf[int], namespace: str | bytes = b"") -> int:
+    def pin_prefix(self, token_ids: SequenceOf[int], cache_scope: CacheScope = CacheScope()) -> int:
         """Keep the cached blocks of this (already computed) prefix from eviction; returns the
         number of tokens pinned."""
-        return self.scheduler.cache.pin(list(token_ids), namespace).num_tokens
+        return self.scheduler.cache.pin(list(token_ids), cache_scope).num_tokens
 
     def step(self) -> list[StepEvent]:
         """Run one scheduling step and return what it produced."""

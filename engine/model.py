@@ -3,9 +3,9 @@
 RMSNorm -> rotary embedding -> attention -> SwiGLU MLP -> block -> model. Weights arrive under
 Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) and are fused on load (q/k/v into
 one matrix, gate/up into another) so each block runs four matmuls. Attention reads and writes the
-paged KV cache through an :class:`engine.attention.AttentionBackend`. A kernel backend also brings
-fused RMSNorm and RoPE kernels (its ``fused_ops``); the model picks those or its own torch ops once,
-when it is built.
+paged KV cache through an :class:`engine.attention.backend.AttentionBackend`. A kernel backend also
+brings fused RMSNorm and RoPE kernels (its ``fused_ops``); the model picks those or its own torch
+ops once, when it is built.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixrag.engine.attention import (
+from prefixrag.engine.attention.backend import (
     AttentionBackend,
-    AttentionMetadata,
     FusedOps,
     RMSNormFn,
     RopeFn,
     SiluMulFn,
 )
+from prefixrag.engine.attention.metadata import AttentionMetadata
 from prefixrag.engine.model_config import ModelConfig, RopeScaling
 from prefixrag.engine.quant import linear
 

@@ -13,12 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixrag.engine.attention import (
-    NativeAttention,
-    SeqSpan,
-    build_attention_metadata,
-    make_backend,
-)
+from prefixrag.engine.attention.cpu_backend import NativeAttention
+from prefixrag.engine.attention.factory import make_backend
+from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack

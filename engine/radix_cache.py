@@ -4,9 +4,9 @@ One node per full block. A node's key is ``hash_fn(parent_key, namespace, block_
 the node also stores its namespace and token ids, and every lookup compares them, so neither a
 hash collision nor another tenant's prefix can ever hand out a block of different tokens.
 
-A lookup may declare its first ``public_tokens`` tokens public: the full blocks inside them go in
-the shared namespace ``b""`` (a system prompt every tenant sends), the rest in its own. Being a
-prefix, a public run is all a tenant can ever share, so another tenant's private blocks stay out
+Every lookup and insert takes one :class:`CacheScope`: the full blocks inside its public head go
+in the shared namespace ``b""`` (a system prompt every tenant sends), the rest in its own. Being a
+prefix, a public head is all a tenant can ever share, so another tenant's private blocks stay out
 of reach, even through the timing of a hit.
 """
 
@@ -20,22 +20,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.cache_scope import CacheScope
 
 HashFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 
 
-def normalize_namespace(namespace: str | bytes) -> bytes:
-    """The byte form of a tenant namespace (str is UTF-8 encoded); ValueError for anything else."""
-    if isinstance(namespace, str):
-        return namespace.encode()
-    if isinstance(namespace, bytes):
-        return namespace
-    raise ValueError(f"namespace must be str or bytes, got {type(namespace).__name__}")
-
-
-def block_namespace(ns: bytes, public_tokens: int, block_index: int, block_size: int) -> bytes:
-    """The namespace of full block ``block_index``: shared while it lies inside the public run."""
-    return b"" if (block_index + 1) * block_size <= public_tokens else ns
+def block_namespace(cache_scope: CacheScope, block_index: int, block_size: int) -> bytes:
+    """The namespace of full block ``block_index`` (UTF-8): shared while it lies inside the
+    public head."""
+    if (block_index + 1) * block_size <= cache_scope.num_public_tokens:
+        return b""
+    return cache_scope.namespace.encode()
 
 
 def block_key(parent_key: bytes, namespace: bytes, token_ids: Sequence[int]) -> bytes:
@@ -178,21 +173,21 @@ class RadixCache:
     def match_prefix(
         self,
         token_ids: Sequence[int],
-        namespace: str | bytes = b"",
+        cache_scope: CacheScope = CacheScope(),
         *,
         max_num_tokens: int | None = None,
         count_stats: bool = True,
         keys: list[bytes] | None = None,
-        public_tokens: int = 0,
     ) -> PrefixMatch:
         """The longest cached run of full blocks that starts ``token_ids`` (at most
         ``max_num_tokens`` tokens), refreshing recency along the whole matched path.
 
-        ``keys`` is an optional memo of this token list's block keys, extended in place; pass the
-        same list only with the same tokens, namespace, ``public_tokens`` and cache.
+        A match never crosses namespaces: past the public head of ``cache_scope`` it only finds
+        blocks cached under the same namespace. ``keys`` is an optional memo of this token
+        list's block keys, extended in place; pass the same list only with the same tokens,
+        scope and cache.
         """
-        ns = normalize_namespace(namespace)
-        path = self._walk(token_ids, ns, max_num_tokens, keys, public_tokens)
+        path = self._walk(token_ids, cache_scope, max_num_tokens, keys)
         num_tokens = len(path) * self.block_size
         if count_stats:
             self.record_query(len(token_ids), num_tokens)
@@ -207,15 +202,13 @@ class RadixCache:
     def prefix_len(
         self,
         token_ids: Sequence[int],
-        namespace: str | bytes = b"",
+        cache_scope: CacheScope = CacheScope(),
         *,
         max_num_tokens: int | None = None,
         keys: list[bytes] | None = None,
-        public_tokens: int = 0,
     ) -> int:
         """How many tokens ``match_prefix`` would match, without touching recency or counters."""
-        ns = normalize_namespace(namespace)
-        path = self._walk(token_ids, ns, max_num_tokens, keys, public_tokens)
+        path = self._walk(token_ids, cache_scope, max_num_tokens, keys)
         return len(path) * self.block_size
 
     # -- insertion --------------------------------------------------------------------------
@@ -224,24 +217,24 @@ class RadixCache:
         self,
         token_ids: Sequence[int],
         block_ids: Sequence[int],
-        namespace: str | bytes = b"",
+        cache_scope: CacheScope = CacheScope(),
         *,
         parent: RadixNode | None = None,
-        public_tokens: int = 0,
     ) -> InsertResult:
         """Cache the full blocks of ``token_ids`` (held in ``block_ids``, one per full block;
         extra trailing ids are ignored) below ``parent`` (default: the root).
 
         ``parent`` lets a sequence add blocks after its already-cached prefix without hashing it
         again; it must be attached and in the same namespace or the shared one.
-        ``public_tokens`` counts from the start of ``token_ids``, not from the root.
+        The public head of ``cache_scope`` counts from the start of ``token_ids``, not from the
+        root (see :meth:`CacheScope.after`).
         """
-        ns = normalize_namespace(namespace)
+        ns = cache_scope.namespace.encode()
         node = self.root if parent is None else parent
         self._check_attached(node)
         if node is not self.root and node.namespace not in (ns, b""):
             raise ValueError("insert below a node of another namespace")
-        if node.namespace == ns and ns and public_tokens >= self.block_size:
+        if node.namespace == ns and ns and cache_scope.num_public_tokens >= self.block_size:
             raise ValueError("a public block cannot follow a private one")
         num_full = len(token_ids) // self.block_size
         if len(block_ids) < num_full:
@@ -255,7 +248,7 @@ class RadixCache:
         held: list[int] = []
         duplicates: list[int] = []
         for i in range(num_full):
-            block_ns = block_namespace(ns, public_tokens, i, self.block_size)
+            block_ns = block_namespace(cache_scope, i, self.block_size)
             child = self._child_for(node, block_ns, token_ids, i, block_ids[i])
             if child is None:
                 break
@@ -323,14 +316,10 @@ class RadixCache:
             self._protect(node)
             node.lock_ref += 1
 
-    def pin(
-        self, token_ids: Sequence[int], namespace: str | bytes = b"", *, public_tokens: int = 0
-    ) -> PrefixMatch:
+    def pin(self, token_ids: Sequence[int], cache_scope: CacheScope = CacheScope()) -> PrefixMatch:
         """Make the cached full-block prefix of ``token_ids`` unevictable until ``unpin`` of the
         returned ``last_node``; pins nest. Returns what was pinned (only what is cached)."""
-        match = self.match_prefix(
-            token_ids, namespace, count_stats=False, public_tokens=public_tokens
-        )
+        match = self.match_prefix(token_ids, cache_scope, count_stats=False)
         node = match.last_node
         while node is not self.root:
             self._protect(node)
@@ -392,10 +381,9 @@ class RadixCache:
     def _walk(
         self,
         token_ids: Sequence[int],
-        ns: bytes,
+        cache_scope: CacheScope,
         max_num_tokens: int | None,
         keys: list[bytes] | None,
-        public_tokens: int = 0,
     ) -> list[RadixNode]:
         if not self.enabled:
             return []
@@ -405,7 +393,7 @@ class RadixCache:
         node = self.root
         for i in range(max(limit, 0) // bs):
             block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_ns = block_namespace(ns, public_tokens, i, bs)
+            block_ns = block_namespace(cache_scope, i, bs)
             if keys is not None and i < len(keys):
                 key = keys[i]
             else:

@@ -355,9 +355,9 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            self.blocks.release(seq)
             del self._running[seq.seq_id]
         else:
             self._waiting.pop(seq.seq_id, None)
+        self.blocks.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

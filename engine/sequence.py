@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from prefixrag.engine.radix_cache import RadixNode, normalize_namespace
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.sampling_params import SamplingParams
 
 
@@ -24,16 +24,14 @@ class Sequence:
 
     The first ``num_computed_tokens`` tokens have KV in ``block_ids`` (``block_ids[i]`` holds
     positions ``i*block_size`` to ``(i+1)*block_size - 1``). The scheduler owns every field after
-    ``arrival_time``; callers read them. ``namespace`` is the tenant salt (str is UTF-8 encoded);
-    the full blocks inside the first ``public_prefix_tokens`` tokens are cached in the shared
-    namespace instead (see engine.radix_cache).
+    ``arrival_time``; callers read them. ``cache_scope`` says whose prefix cache the request
+    reads and writes (see :class:`CacheScope`).
     """
 
     seq_id: int
     token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    namespace: str | bytes = b""  # stored as bytes
-    public_prefix_tokens: int = 0
+    cache_scope: CacheScope = CacheScope()
     arrival_time: float = 0.0
     num_prompt_tokens: int = field(init=False)
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
@@ -43,10 +41,6 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list, init=False)
     arrival_order: int = field(default=-1, init=False)
     num_preemptions: int = field(default=0, init=False)
-    # the first num_tree_blocks of block_ids belong to the radix cache; last_node is locked
-    num_tree_blocks: int = field(default=0, init=False)
-    last_node: RadixNode | None = field(default=None, init=False)
-    block_keys: list[bytes] = field(default_factory=list, init=False)
     enqueue_step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -59,11 +53,9 @@ class Sequence:
                 raise ValueError(f"token ids must be integers >= 0, got {t!r}")
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if not isinstance(self.cache_scope, CacheScope):
+            raise ValueError("cache_scope must be a CacheScope")
         self.token_ids = list(self.token_ids)
-        self.namespace = normalize_namespace(self.namespace)
-        public = self.public_prefix_tokens
-        if isinstance(public, bool) or not isinstance(public, int) or public < 0:
-            raise ValueError(f"public_prefix_tokens must be an integer >= 0, got {public!r}")
         self.num_prompt_tokens = len(self.token_ids)
 
     @property

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
 from prefixrag.app.core.settings import Settings
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
@@ -107,11 +108,10 @@ class LLMService:
         prompt_ids: list[int],
         params: SamplingParams,
         *,
-        namespace: str = "",
-        public_prefix_tokens: int = 0,
+        cache_scope: CacheScope = CacheScope(),
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
-        """The engine's stream for this prompt, its cache scoped to `namespace` (the tenant)
-        past its first `public_prefix_tokens` tokens. QueueFullError (429) when
+        """The engine's stream for this prompt, its prefix cache scoped by `cache_scope` (the
+        tenant's salt past a public head). QueueFullError (429) when
         `max_queued_requests` generations are already waiting or running."""
         limit = self.settings.max_queued_requests
         if self.num_active >= limit:
@@ -121,9 +121,7 @@ class LLMService:
                 f"{self.num_active} generations are queued (the limit is {limit}); retry later",
                 retry_after=1 + batches_ahead,
             )
-        stream = self.engine.generate(
-            prompt_ids, params, namespace=namespace, public_prefix_tokens=public_prefix_tokens
-        )
+        stream = self.engine.generate(prompt_ids, params, cache_scope=cache_scope)
         return self._counted(stream)
 
     async def _counted(

@@ -26,6 +26,7 @@ from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Tur
 from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.services.llm import LLMService
 from prefixrag.app.services.search import search
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.retrieval.pipeline import Hit, Retriever
@@ -180,9 +181,8 @@ def answer_stream(
     ids = prepared.prompt.token_ids
     stable = pipeline.prompts.stable_ids
     public = len(stable) if ids[: len(stable)] == stable else 0
-    return pipeline.llm.generate(
-        ids, prepared.params, namespace=prepared.tenant, public_prefix_tokens=public
-    )
+    cache_scope = CacheScope(namespace=prepared.tenant, num_public_tokens=public)
+    return pipeline.llm.generate(ids, prepared.params, cache_scope=cache_scope)
 
 
 def citations(prepared: PreparedAnswer) -> list[CitationOut]:

@@ -7,12 +7,9 @@ import pytest
 import torch
 
 from prefixrag.app.core.settings import packaged_llm_path
-from prefixrag.engine.attention import (
-    SeqSpan,
-    TorchAttention,
-    build_attention_metadata,
-    make_backend,
-)
+from prefixrag.engine.attention.factory import make_backend
+from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
+from prefixrag.engine.attention.torch_backend import TorchAttention
 from prefixrag.engine.model_runner import ModelRunner, StepItem, num_blocks_for_budget
 
 TEXT = (

@@ -6,6 +6,7 @@ import sys
 PURE_MODULES = [
     "prefixrag.engine.config",
     "prefixrag.engine.sampling_params",
+    "prefixrag.engine.cache_scope",
     "prefixrag.engine.sequence",
     "prefixrag.engine.block_pool",
     "prefixrag.engine.radix_cache",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.radix_cache import RadixCache, RadixNode, block_key
 
 BS = 2
@@ -28,9 +29,10 @@ def make_cache(num_blocks: int = 16, **kwargs) -> tuple[RadixCache, BlockPool]:
 
 def cache_tokens(cache: RadixCache, pool: BlockPool, tokens: list[int], ns: str = "") -> list[int]:
     """Insert ``tokens`` the way a sequence does: reuse the match, allocate the rest."""
-    match = cache.match_prefix(tokens, ns, count_stats=False)
+    scope = CacheScope(ns)
+    match = cache.match_prefix(tokens, scope, count_stats=False)
     fresh = pool.allocate(len(tokens) // BS - len(match.block_ids))
-    result = cache.insert(tokens, match.block_ids + fresh, ns)
+    result = cache.insert(tokens, match.block_ids + fresh, scope)
     pool.free(result.duplicate_block_ids)
     pool.free(fresh[len(result.block_ids) - len(match.block_ids) :])
     return result.block_ids
@@ -59,7 +61,7 @@ def test_insert_returns_callers_duplicates() -> None:
     cache, pool = make_cache()
     first = cache_tokens(cache, pool, [1, 2, 3, 4])
     mine = pool.allocate(2)
-    result = cache.insert([1, 2, 3, 4], mine, "")
+    result = cache.insert([1, 2, 3, 4], mine)
     assert result.block_ids == first
     assert sorted(result.duplicate_block_ids) == sorted(mine)
 
@@ -67,29 +69,27 @@ def test_insert_returns_callers_duplicates() -> None:
 def test_namespaces_never_share_blocks() -> None:
     cache, pool = make_cache()
     cache_tokens(cache, pool, [1, 2, 3, 4], "tenant-a")
-    assert cache.match_prefix([1, 2, 3, 4], "tenant-b").num_tokens == 0
-    assert cache.prefix_len([1, 2, 3, 4], b"tenant-a") == 4
+    assert cache.match_prefix([1, 2, 3, 4], CacheScope("tenant-b")).num_tokens == 0
+    assert cache.prefix_len([1, 2, 3, 4], CacheScope("tenant-a")) == 4
     b_blocks = cache_tokens(cache, pool, [1, 2, 3, 4], "tenant-b")
-    assert set(b_blocks).isdisjoint(cache.match_prefix([1, 2, 3, 4], "tenant-a").block_ids)
+    a_match = cache.match_prefix([1, 2, 3, 4], CacheScope("tenant-a"))
+    assert set(b_blocks).isdisjoint(a_match.block_ids)
 
 
 def test_public_prefix_is_shared_and_the_rest_is_not() -> None:
     cache, pool = make_cache()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # blocks of 2; the first 5 tokens are public
     blocks = pool.allocate(4)
-    cache.insert(prompt, blocks, "tenant-a", public_tokens=5)
+    cache.insert(prompt, blocks, CacheScope("tenant-a", num_public_tokens=5))
     # tenant b gets the 2 full public blocks (4 tokens), never tenant a's private ones
-    assert cache.match_prefix(prompt, "tenant-b", public_tokens=5).block_ids == blocks[:2]
-    assert cache.match_prefix(prompt, "tenant-a", public_tokens=5).block_ids == blocks
+    tenant_b = CacheScope("tenant-b", num_public_tokens=5)
+    assert cache.match_prefix(prompt, tenant_b).block_ids == blocks[:2]
+    a_match = cache.match_prefix(prompt, CacheScope("tenant-a", num_public_tokens=5))
+    assert a_match.block_ids == blocks
     # without declaring the prefix public, a tenant shares nothing
-    assert cache.match_prefix(prompt, "tenant-b").num_tokens == 0
+    assert cache.match_prefix(prompt, CacheScope("tenant-b")).num_tokens == 0
     with pytest.raises(ValueError, match="another namespace"):
-        cache.insert(
-            prompt[4:],
-            pool.allocate(2),
-            "tenant-b",
-            parent=cache.match_prefix(prompt, "tenant-a", public_tokens=5).last_node,
-        )
+        cache.insert(prompt[4:], pool.allocate(2), CacheScope("tenant-b"), parent=a_match.last_node)
 
 
 def test_hash_collision_never_returns_other_tokens() -> None:
@@ -97,7 +97,7 @@ def test_hash_collision_never_returns_other_tokens() -> None:
     cache_tokens(cache, pool, [1, 1])  # key 0
     assert cache.match_prefix([2, 2]).num_tokens == 0  # key 0 too, other tokens
     assert cache_tokens(cache, pool, [2, 2, 5, 5]) == []  # refused, not aliased
-    assert cache.match_prefix([1, 1], "other").num_tokens == 0  # namespace not in this hash
+    assert cache.match_prefix([1, 1], CacheScope("other")).num_tokens == 0  # ns not in this hash
     assert pool.num_used_blocks == cache.num_cached_blocks == 1
 
 
@@ -112,6 +112,24 @@ def test_block_key_separates_its_parts() -> None:
     }
     assert len(keys) == 6
     assert block_key(b"x", b"y", [3]) == block_key(b"x", b"y", (3,))
+
+
+def test_block_keys_are_stable() -> None:
+    """Golden keys: a change of hashing or namespace encoding would orphan every cached prefix
+    (the chunk KV store on disk, the router's hashes), so it must never happen by accident."""
+    cache = RadixCache(4, BlockPool(8))
+    prompt = list(range(1, 13))  # three blocks of 4; the first 5 tokens are public
+    scope = CacheScope("tenant-a", num_public_tokens=5)
+    inserted = cache.insert(prompt, cache.block_pool.allocate(3), scope)
+    keys: list[bytes] = []
+    match = cache.match_prefix(prompt, scope, keys=keys)
+    assert match.last_node is inserted.last_node
+    assert [key.hex() for key in keys] == [
+        "0942c1f23dc74e8fadff93e4dfe78016",
+        "0ea645b1fae4a6853fe3a62eec134953",
+        "dea8db432dde94696dad4fcd75c16731",
+    ]
+    assert [n.namespace for n in path_of(match.last_node)[::-1]] == [b"", b"tenant-a", b"tenant-a"]
 
 
 def test_eviction_is_lru_over_leaves_and_tail_first() -> None:
@@ -185,7 +203,7 @@ def test_lookup_refreshes_whole_path() -> None:
 def test_disabled_cache_keeps_nothing() -> None:
     cache, pool = make_cache(enabled=False)
     mine = pool.allocate(2)
-    result = cache.insert([1, 1, 2, 2], mine, "")
+    result = cache.insert([1, 1, 2, 2], mine)
     assert result.block_ids == [] and result.duplicate_block_ids == []
     assert cache.match_prefix([1, 1, 2, 2]).num_tokens == 0
     assert cache.pin([1, 1]).num_tokens == 0
@@ -195,9 +213,9 @@ def test_disabled_cache_keeps_nothing() -> None:
 def test_insert_rejects_bad_blocks() -> None:
     cache, _ = make_cache()
     with pytest.raises(ValueError):
-        cache.insert([1, 1, 2, 2], [0], "")  # fewer ids than full blocks
+        cache.insert([1, 1, 2, 2], [0])  # fewer ids than full blocks
     with pytest.raises(ValueError):
-        cache.insert([1, 1], [3], "")  # not allocated
+        cache.insert([1, 1], [3])  # not allocated
     assert cache.num_cached_blocks == 0
 
 
@@ -222,7 +240,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens, ns=namespaces, public=publics, lock=st.booleans())
     def insert(self, tokens: list[int], ns: str, public: int, lock: bool) -> None:
-        match = self.cache.match_prefix(tokens, ns, public_tokens=public)
+        scope = CacheScope(ns, num_public_tokens=public)
+        match = self.cache.match_prefix(tokens, scope)
         self.cache.inc_lock_ref(match.last_node)  # keep the match alive while allocating
         needed = len(tokens) // BS - len(match.block_ids)
         shortfall = needed - self.pool.num_free_blocks
@@ -235,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
         for i, block in enumerate(fresh):
             end = (len(match.block_ids) + i + 1) * BS
             self.content[block] = (owner(ns, public, end), tuple(tokens[:end]))
-        result = self.cache.insert(tokens, match.block_ids + fresh, ns, public_tokens=public)
+        result = self.cache.insert(tokens, match.block_ids + fresh, scope)
         self.pool.free(result.duplicate_block_ids)
         self.pool.free(fresh[len(result.block_ids) - len(match.block_ids) :])
         self.cache.dec_lock_ref(match.last_node)
@@ -248,7 +267,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens, ns=namespaces, public=publics, limit=st.none() | st.integers(0, 8))
     def match(self, tokens: list[int], ns: str, public: int, limit: int | None) -> None:
-        match = self.cache.match_prefix(tokens, ns, max_num_tokens=limit, public_tokens=public)
+        scope = CacheScope(ns, num_public_tokens=public)
+        match = self.cache.match_prefix(tokens, scope, max_num_tokens=limit)
         assert match.num_tokens == len(match.block_ids) * BS
         assert match.num_tokens <= (len(tokens) if limit is None else min(limit, len(tokens)))
         for i, block in enumerate(match.block_ids):
@@ -257,7 +277,7 @@ class CacheMachine(RuleBasedStateMachine):
         if match.block_ids:
             newest = max(n.last_access_time for n in self.cache.iter_nodes())
             assert all(n.last_access_time == newest for n in path_of(match.last_node))
-        peek = self.cache.prefix_len(tokens, ns, max_num_tokens=limit, public_tokens=public)
+        peek = self.cache.prefix_len(tokens, scope, max_num_tokens=limit)
         assert peek == match.num_tokens
 
     @precondition(lambda self: self.locks)
@@ -267,7 +287,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens, ns=namespaces, public=publics)
     def pin(self, tokens: list[int], ns: str, public: int) -> None:
-        self.pins.append(self.cache.pin(tokens, ns, public_tokens=public).last_node)
+        self.pins.append(self.cache.pin(tokens, CacheScope(ns, public)).last_node)
 
     @precondition(lambda self: self.pins)
     @rule(i=st.integers(0, 100))

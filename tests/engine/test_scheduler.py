@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
@@ -42,7 +43,7 @@ def reference_output(prompt: list[int], params: SamplingParams, max_len: int) ->
 @dataclass
 class SimModel:
     block_size: int
-    slots: dict[tuple[int, int], tuple[int, int, bytes]] = field(default_factory=dict)
+    slots: dict[tuple[int, int], tuple[int, int, str]] = field(default_factory=dict)
     next_pos: dict[int, int] = field(default_factory=dict)
     computed: dict[int, list[int]] = field(default_factory=dict)  # positions per admission
     contexts: dict[int, list[list[int]]] = field(default_factory=dict)
@@ -63,11 +64,13 @@ class SimModel:
             assert len(item.block_ids) * bs >= item.context_len
             for pos in range(item.start_pos, item.context_len):
                 token = item.token_ids[pos - item.start_pos]
-                self.slots[(item.block_ids[pos // bs], pos % bs)] = (token, pos, seq.namespace)
+                ns = seq.cache_scope.namespace
+                self.slots[(item.block_ids[pos // bs], pos % bs)] = (token, pos, ns)
                 self.computed[seq.seq_id].append(pos)
             self.next_pos[seq.seq_id] = item.context_len
             read = [self.slots[(item.block_ids[p // bs], p % bs)] for p in range(item.context_len)]
-            assert read == [(t, p, seq.namespace) for p, t in enumerate(seq.token_ids[: len(read)])]
+            ns = seq.cache_scope.namespace
+            assert read == [(t, p, ns) for p, t in enumerate(seq.token_ids[: len(read)])]
             assert item.do_sample == (item.context_len == seq.num_tokens)
             if item.do_sample:
                 context = [t for t, _, _ in read]
@@ -116,8 +119,9 @@ def assert_blocks_partition(sched: Scheduler) -> None:
     tree = [n.block_id for n in cache.iter_nodes()]
     private = []
     for seq in (sched.get(i) for i in list(sched._running)):
-        private.extend(seq.block_ids[seq.num_tree_blocks :])
-        assert set(seq.block_ids[: seq.num_tree_blocks]) <= set(tree)
+        num_tree_blocks = sched.blocks.num_tree_blocks(seq)
+        private.extend(seq.block_ids[num_tree_blocks:])
+        assert set(seq.block_ids[:num_tree_blocks]) <= set(tree)
     owned = tree + private
     assert len(set(owned)) == len(owned)
     assert {b for b in range(pool.num_blocks) if pool.is_allocated(b)} == set(owned)
@@ -125,6 +129,7 @@ def assert_blocks_partition(sched: Scheduler) -> None:
 
 def assert_all_blocks_returned(sched: Scheduler) -> None:
     cache, pool = sched.cache, sched.blocks.block_pool
+    assert sched.blocks.num_tracked_seqs == 0  # finished sequences leave nothing behind
     assert cache.num_evictable_blocks == cache.num_cached_blocks  # nothing still locked
     assert pool.num_used_blocks == cache.num_cached_blocks
     cache.evict(pool.num_blocks)
@@ -146,7 +151,7 @@ def run_workload(
 ) -> tuple[list[Sequence], SimModel]:
     model = model or SimModel(sched.config.block_size)
     seqs = [
-        Sequence(i, prompt, params, namespace=namespaces[i % len(namespaces)])
+        Sequence(i, prompt, params, cache_scope=CacheScope(namespaces[i % len(namespaces)]))
         for i, (prompt, params) in enumerate(requests)
     ]
     for seq in seqs:

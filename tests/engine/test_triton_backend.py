@@ -9,7 +9,9 @@ import torch
 
 from bench.kernels_engine import synthetic_tokenizer
 from prefixrag.app.core.settings import packaged_llm_path
-from prefixrag.engine.attention import KernelAttention, NativeAttention, make_backend
+from prefixrag.engine.attention.cpu_backend import NativeAttention
+from prefixrag.engine.attention.factory import make_backend
+from prefixrag.engine.attention.triton_backend import KernelAttention
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model import KernelRope

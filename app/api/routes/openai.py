@@ -26,6 +26,7 @@ from prefixrag.app.schemas.openai import (
     error_body,
 )
 from prefixrag.app.services.llm import LLMService
+from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 
@@ -114,7 +115,7 @@ async def _respond(
     tenant: str,
 ) -> Any:
     # a raw prompt has no public part: all of it is cached under the tenant's own salt
-    stream = llm.generate(prompt_ids, params, namespace=tenant)
+    stream = llm.generate(prompt_ids, params, cache_scope=CacheScope(namespace=tenant))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(_sse(stream, shape, include_usage))
