@@ -126,7 +126,9 @@ def test_transformers_kernels_and_ours_load_together_from_the_repo_root() -> Non
 
 def dockerfile_pip_steps(dockerfile: str) -> list[str]:
     """The Dockerfile's RUN steps that install Python packages, continuation lines joined."""
-    joined = re.sub(r"\\\n", " ", dockerfile)
+    # Docker drops comment lines inside a continued instruction: so must we, before joining.
+    lines = [line for line in dockerfile.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
     steps = [line[len("RUN ") :] for line in joined.splitlines() if line.startswith("RUN ")]
     return [step for step in steps if "pip install" in step]
 
