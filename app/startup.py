@@ -75,13 +75,13 @@ def load_index(state: AppState) -> str | None:
     if state.sessions is None or state.embedder is None:
         raise NotReadyError("the database and embedder must load before the index")
     index = open_index(state)
-    fail_interrupted(state.sessions)
-    reconcile_index(state.sessions, index, state.embedder)
+    fail_interrupted(sessions=state.sessions)
+    reconcile_index(sessions=state.sessions, index=index, embedder=state.embedder)
     settings = state.settings
     lexical = None
     if settings.retrieval_mode == "hybrid":
         lexical = LexicalIndex()
-        rebuild_lexical_index(state.sessions, lexical)
+        rebuild_lexical_index(sessions=state.sessions, lexical=lexical)
     chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
     state.index = index
     state.ingest = IngestService(

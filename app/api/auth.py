@@ -29,10 +29,10 @@ def bearer_token(request: Request) -> str | None:
 
 def resolve_tenant(*, session: Session, token: str | None, require_auth: bool) -> str:
     """The tenant `token` acts for; AuthenticationError (401) for a missing or wrong key."""
-    tenant = None if token is None else tenant_for_key(session, token)
+    tenant = None if token is None else tenant_for_key(session=session, key=token)
     if tenant is not None:
         return tenant
-    if require_auth or any_active_key(session):
+    if require_auth or any_active_key(session=session):
         raise AuthenticationError(
             "an API key is required: send 'Authorization: Bearer <key>'"
             if token is None

@@ -27,7 +27,7 @@ def register_keys(subparsers: Any) -> None:
 def _create(args: argparse.Namespace, settings: Settings) -> int:
     from prefixrag.app.services.api_keys import create_key
 
-    info, key = create_key(_sessions(settings), args.name)
+    info, key = create_key(sessions=_sessions(settings), name=args.name)
     print(key)
     print(
         f"created key {info.key_prefix}... for tenant {info.tenant!r}; it is shown only now, "
@@ -40,7 +40,7 @@ def _create(args: argparse.Namespace, settings: Settings) -> int:
 def _list(args: argparse.Namespace, settings: Settings) -> int:
     from prefixrag.app.services.api_keys import list_keys
 
-    keys = list_keys(_sessions(settings), include_revoked=args.all)
+    keys = list_keys(sessions=_sessions(settings), include_revoked=args.all)
     if not keys:
         print("no keys: the API is open to anyone who can reach it")
         return 0
@@ -53,7 +53,7 @@ def _list(args: argparse.Namespace, settings: Settings) -> int:
 def _revoke(args: argparse.Namespace, settings: Settings) -> int:
     from prefixrag.app.services.api_keys import revoke_key
 
-    info = revoke_key(_sessions(settings), args.name)
+    info = revoke_key(sessions=_sessions(settings), name=args.name)
     print(f"revoked key {info.key_prefix}... of {info.name!r}")
     return 0
 

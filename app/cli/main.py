@@ -128,7 +128,9 @@ def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
         state.require("db", "embedder")
         if state.sessions is None or state.embedder is None:
             return 1
-        num_vectors = rebuild_index(state.sessions, open_index(state), state.embedder)
+        num_vectors = rebuild_index(
+            sessions=state.sessions, index=open_index(state), embedder=state.embedder
+        )
     finally:
         state.close()
     print(f"rebuilt the vector index: {num_vectors} vectors")

@@ -42,7 +42,7 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(sessions: sessionmaker[Session], name: str) -> tuple[KeyInfo, str]:
+def create_key(*, sessions: sessionmaker[Session], name: str) -> tuple[KeyInfo, str]:
     """A new key for tenant `name`; returns its info and the key, which is not stored.
 
     InvalidInputError for a bad name or when `name` already has an active key (revoke it first:
@@ -61,7 +61,7 @@ def create_key(sessions: sessionmaker[Session], name: str) -> tuple[KeyInfo, str
         return _info(row), key
 
 
-def list_keys(sessions: sessionmaker[Session], *, include_revoked: bool = False) -> list[KeyInfo]:
+def list_keys(*, sessions: sessionmaker[Session], include_revoked: bool = False) -> list[KeyInfo]:
     """Every key in creation order, active ones only unless `include_revoked`."""
     query = select(ApiKey).order_by(ApiKey.id)
     if not include_revoked:
@@ -70,7 +70,7 @@ def list_keys(sessions: sessionmaker[Session], *, include_revoked: bool = False)
         return [_info(row) for row in session.scalars(query)]
 
 
-def revoke_key(sessions: sessionmaker[Session], name: str) -> KeyInfo:
+def revoke_key(*, sessions: sessionmaker[Session], name: str) -> KeyInfo:
     """Revoke the active key named `name` (it stops working at once); InvalidInputError if none."""
     with sessions() as session:
         row = _active_by_name(session, name)
@@ -81,7 +81,7 @@ def revoke_key(sessions: sessionmaker[Session], name: str) -> KeyInfo:
         return _info(row)
 
 
-def tenant_for_key(session: Session, key: str) -> str | None:
+def tenant_for_key(*, session: Session, key: str) -> str | None:
     """The tenant of an active key, or None for an unknown or revoked one."""
     query = select(ApiKey.tenant).where(
         ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)
@@ -89,7 +89,7 @@ def tenant_for_key(session: Session, key: str) -> str | None:
     return session.scalar(query)
 
 
-def any_active_key(session: Session) -> bool:
+def any_active_key(*, session: Session) -> bool:
     """True once at least one key is active: from then on every request needs one."""
     return session.scalar(select(ApiKey.id).where(ApiKey.revoked_at.is_(None)).limit(1)) is not None
 

@@ -10,7 +10,7 @@ from prefixrag.app.core.models import DEFAULT_TENANT, Collection
 
 
 def get_or_create_collection(
-    sessions: sessionmaker[Session], name: str, tenant: str = DEFAULT_TENANT
+    *, sessions: sessionmaker[Session], name: str, tenant: str = DEFAULT_TENANT
 ) -> int:
     """The id of `tenant`'s collection `name`, creating it if needed (safe under concurrent
     callers)."""

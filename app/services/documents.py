@@ -12,7 +12,7 @@ from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.schemas.documents import DocumentOut, DocumentPage
 
 
-def get_document(session: Session, document_id: int, tenant: str | None = None) -> DocumentOut:
+def get_document(*, session: Session, document_id: int, tenant: str | None = None) -> DocumentOut:
     """The document with `document_id` (of `tenant`, when given), or DocumentNotFoundError."""
     query = _with_counts().where(Document.id == document_id)
     if tenant is not None:
@@ -24,8 +24,8 @@ def get_document(session: Session, document_id: int, tenant: str | None = None) 
 
 
 def list_documents(
-    session: Session,
     *,
+    session: Session,
     tenant: str | None = None,
     collection: str | None = None,
     limit: int = 20,

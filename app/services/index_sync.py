@@ -39,14 +39,14 @@ class ReconcileReport:
         return self.num_orphan_vectors == 0 and self.num_missing_vectors == 0
 
 
-def ready_chunk_ids(session: Session) -> np.ndarray:
+def ready_chunk_ids(*, session: Session) -> np.ndarray:
     """Ids of every chunk whose document is ready, sorted, as int64."""
     query = select(Chunk.id).join(Document).where(Document.status == "ready").order_by(Chunk.id)
     return np.asarray(list(session.scalars(query)), dtype=np.int64)
 
 
 def reconcile_index(
-    sessions: sessionmaker[Session], index: VectorIndex, embedder: Embedder
+    *, sessions: sessionmaker[Session], index: VectorIndex, embedder: Embedder
 ) -> ReconcileReport:
     """Make the index hold exactly the ready chunk ids, and save it if that changed anything.
 
@@ -57,7 +57,7 @@ def reconcile_index(
     the ingest service starts.
     """
     with sessions() as session:
-        db_ids = ready_chunk_ids(session)
+        db_ids = ready_chunk_ids(session=session)
     index_ids = np.asarray(index.ids(), dtype=np.int64)
     orphans = np.setdiff1d(index_ids, db_ids)
     missing = np.setdiff1d(db_ids, index_ids)
@@ -98,7 +98,7 @@ def _embed_chunks(
 
 
 def iter_ready_chunks(
-    sessions: sessionmaker[Session], columns: tuple[Any, ...], batch_size: int
+    *, sessions: sessionmaker[Session], columns: tuple[Any, ...], batch_size: int
 ) -> Iterator[Sequence[Row[Any]]]:
     """Rows (id, *columns) of every ready chunk in id order, `batch_size` at a time.
 
@@ -124,16 +124,16 @@ def iter_ready_chunks(
 
 
 def rebuild_index(
+    *,
     sessions: sessionmaker[Session],
     index: VectorIndex,
     embedder: Embedder,
-    *,
     batch_size: int = 256,
 ) -> int:
     """Empty the index, re-embed every ready chunk's text, save; returns the vector count."""
     index.reset()
     num_vectors = 0
-    for rows in iter_ready_chunks(sessions, (Chunk.text,), batch_size):
+    for rows in iter_ready_chunks(sessions=sessions, columns=(Chunk.text,), batch_size=batch_size):
         ids = np.asarray([r[0] for r in rows], dtype=np.int64)
         index.add(ids, embedder.encode([r[1] for r in rows]))
         num_vectors += len(rows)
@@ -143,7 +143,7 @@ def rebuild_index(
 
 
 def rebuild_lexical_index(
-    sessions: sessionmaker[Session], lexical: LexicalIndex, *, batch_size: int = 2048
+    *, sessions: sessionmaker[Session], lexical: LexicalIndex, batch_size: int = 2048
 ) -> int:
     """Empty `lexical` and index every ready chunk (heading and text); returns the chunk count.
 
@@ -154,7 +154,9 @@ def rebuild_lexical_index(
 
     lexical.reset()
     num_chunks = 0
-    for rows in iter_ready_chunks(sessions, (Chunk.text, Chunk.heading), batch_size):
+    for rows in iter_ready_chunks(
+        sessions=sessions, columns=(Chunk.text, Chunk.heading), batch_size=batch_size
+    ):
         ids = np.asarray([r[0] for r in rows], dtype=np.int64)
         lexical.add(ids, [searchable_text(r[1], r[2]) for r in rows])
         num_chunks += len(rows)
@@ -162,7 +164,7 @@ def rebuild_lexical_index(
     return num_chunks
 
 
-def fail_interrupted(sessions: sessionmaker[Session]) -> int:
+def fail_interrupted(*, sessions: sessionmaker[Session]) -> int:
     """Mark documents left pending/processing by a previous run as failed; returns how many.
 
     Their raw bytes are not kept, so they cannot be re-queued; any chunk rows a crash left

@@ -182,7 +182,9 @@ class IngestService:
 
     def _insert_pending(self, request: IngestRequest, parsed: ParsedDocument) -> int:
         sha = hashlib.sha256(request.data).hexdigest()
-        collection_id = get_or_create_collection(self._sessions, request.collection, request.tenant)
+        collection_id = get_or_create_collection(
+            sessions=self._sessions, name=request.collection, tenant=request.tenant
+        )
         with self._sessions() as session:
             existing = _find_by_content(session, collection_id, sha)
             if existing is not None and existing.status != "failed":

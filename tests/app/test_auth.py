@@ -27,7 +27,7 @@ def bearer(key: str) -> dict[str, str]:
 def new_key(client: TestClient, name: str) -> str:
     sessions = app_state(client).sessions
     assert sessions is not None
-    return create_key(sessions, name)[1]
+    return create_key(sessions=sessions, name=name)[1]
 
 
 def test_only_the_hash_of_a_key_is_stored(client: TestClient) -> None:
@@ -39,9 +39,9 @@ def test_only_the_hash_of_a_key_is_stored(client: TestClient) -> None:
         stored = [str(getattr(row, c.key)) for c in ApiKey.__table__.columns]
     assert row.key_hash == hashlib.sha256(key.encode()).hexdigest()
     assert not any(key in value for value in stored)
-    assert [k.name for k in list_keys(sessions)] == ["acme"]
+    assert [k.name for k in list_keys(sessions=sessions)] == ["acme"]
     with pytest.raises(InvalidInputError, match="revoke it first"):
-        create_key(sessions, "acme")
+        create_key(sessions=sessions, name="acme")
 
 
 def test_open_until_a_key_exists_then_401_without_a_valid_one(client: TestClient) -> None:
@@ -68,7 +68,7 @@ def test_a_revoked_key_stops_working_at_once(client: TestClient) -> None:
     assert client.get("/v1/documents", headers=bearer(key)).status_code == 200
     sessions = app_state(client).sessions
     assert sessions is not None
-    revoke_key(sessions, "acme")
+    revoke_key(sessions=sessions, name="acme")
     assert client.get("/v1/documents", headers=bearer(key)).status_code == 401
 
 

@@ -366,7 +366,7 @@ def test_reconcile_drops_orphans_and_embeds_only_what_is_missing(
     engine = make_engine(settings.resolved_database_url)
     sessions = make_sessionmaker(engine)
     try:
-        report = reconcile_index(sessions, index, embedder)
+        report = reconcile_index(sessions=sessions, index=index, embedder=embedder)
         assert (report.num_orphan_vectors, report.num_missing_vectors) == (1, len(lost_ids))
         assert report.repaired
         saved = VectorIndex.open(settings.index_path, embedder.dim, use_gpu="no")
@@ -375,7 +375,7 @@ def test_reconcile_drops_orphans_and_embeds_only_what_is_missing(
             texts = [session.get(Chunk, int(i)).text for i in lost_ids]  # type: ignore[union-attr]
         np.testing.assert_allclose(saved.reconstruct(lost_ids), embedder.encode(texts), atol=1e-5)
         np.testing.assert_array_equal(saved.reconstruct(kept_ids), kept_vectors)
-        again = reconcile_index(sessions, saved, embedder)
+        again = reconcile_index(sessions=sessions, index=saved, embedder=embedder)
         assert again.is_consistent and not again.repaired
     finally:
         engine.dispose()

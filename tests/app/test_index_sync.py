@@ -17,7 +17,7 @@ def test_batches_cover_every_ready_chunk_once_in_id_order(client: TestClient) ->
     assert len(expected) >= 3  # enough for more than one batch of 2
     sessions = app_state(client).sessions
     assert sessions is not None
-    batches = list(iter_ready_chunks(sessions, (Chunk.text,), 2))
+    batches = list(iter_ready_chunks(sessions=sessions, columns=(Chunk.text,), batch_size=2))
     assert all(1 <= len(batch) <= 2 for batch in batches)
     assert [row[0] for batch in batches for row in batch] == expected
     assert all(isinstance(row[1], str) and row[1] for batch in batches for row in batch)

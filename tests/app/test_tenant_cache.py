@@ -28,7 +28,7 @@ def tenants(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
         state = app.state.prefixrag
         clients = []
         for name in ("tenant-a", "tenant-b"):
-            _, key = create_key(state.sessions, name)
+            _, key = create_key(sessions=state.sessions, name=name)
             headers = {"Authorization": f"Bearer {key}"}
             client = httpx.Client(base_url=base, timeout=LOAD_TIMEOUT_S, headers=headers)
             ingest_docs(client)

@@ -77,13 +77,15 @@ def list_all(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> DocumentPage:
     """Documents in upload order, a page at a time, optionally from one collection."""
-    return list_documents(session, tenant=tenant, collection=collection, limit=limit, offset=offset)
+    return list_documents(
+        session=session, tenant=tenant, collection=collection, limit=limit, offset=offset
+    )
 
 
 @router.get("/{document_id}", response_model=DocumentOut, responses=error_responses(404))
 def get_one(document_id: DocumentId, session: SessionDep, tenant: TenantDep) -> DocumentOut:
     """One document with its status, chunk count and error."""
-    return get_document(session, document_id, tenant)
+    return get_document(session=session, document_id=document_id, tenant=tenant)
 
 
 @router.delete("/{document_id}", status_code=204, responses=error_responses(404, 409))
@@ -97,4 +99,4 @@ def _load(state: StateDep, document_id: int, tenant: str) -> DocumentOut:
     if state.sessions is None:
         raise NotReadyError("database is not ready")
     with state.sessions() as session:
-        return get_document(session, document_id, tenant)
+        return get_document(session=session, document_id=document_id, tenant=tenant)
