@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,8 +15,6 @@ from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixrag.engine.async_engine import AsyncEngine
-
-logger = logging.getLogger(__name__)
 
 
 def engine_config_from_settings(settings: Settings) -> EngineConfig:
