@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceOf
 from typing import Any
 
 from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine, StepEvent, StepFailedError
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
@@ -59,12 +60,14 @@ class AsyncEngine:
         *,
         cache_scope: CacheScope = CacheScope(),
         request_id: str | None = None,
+        chunk_spans: SequenceOf[ChunkSpan] = (),
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
         """Yield text deltas as tokens are decoded, then one GenerationResult.
 
         Closing the iterator early (a client disconnect) aborts the request and frees its
         blocks. Raises ValueError for a prompt that can never run. ``cache_scope`` scopes the
-        prefix cache (see LLMEngine.add_request).
+        prefix cache and ``chunk_spans`` name the prompt's source bodies (see
+        LLMEngine.add_request).
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         loop = asyncio.get_running_loop()
@@ -74,7 +77,10 @@ class AsyncEngine:
             _post(loop, inbox.put_nowait, item)
 
         seq_id_box: list[int] = []
-        self._submit(lambda: self._add(ids, params, cache_scope, request_id, deliver, seq_id_box))
+        spans = tuple(chunk_spans)
+        self._submit(
+            lambda: self._add(ids, params, cache_scope, spans, request_id, deliver, seq_id_box)
+        )
         done = False
         try:
             while True:
@@ -116,6 +122,10 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
+    async def drop_chunks(self, namespace: str, tag: str) -> int:
+        """Forget the cached chunk bodies of ``namespace`` tagged ``tag`` (a deleted document)."""
+        return await self.call(lambda engine: engine.drop_chunks(namespace, tag))
+
     def stats(self) -> dict[str, int]:
         """Prefix-cache counters and block occupancy (a racy but consistent-enough snapshot)."""
         return self.engine.cache_stats()
@@ -125,6 +135,7 @@ class AsyncEngine:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     # -- engine thread --------------------------------------------------------------------
 
@@ -139,13 +150,18 @@ class AsyncEngine:
         ids: list[int],
         params: SamplingParams,
         cache_scope: CacheScope,
+        chunk_spans: tuple[ChunkSpan, ...],
         request_id: str | None,
         deliver: Deliver,
         seq_id_box: list[int],
     ) -> None:
         try:
             seq_id = self.engine.add_request(
-                ids, params, cache_scope=cache_scope, request_id=request_id
+                ids,
+                params,
+                cache_scope=cache_scope,
+                request_id=request_id,
+                chunk_spans=chunk_spans,
             )
         except ValueError as exc:
             deliver(exc)

@@ -1,10 +1,13 @@
-"""Block tables of sequences on top of the block pool and the radix prefix cache."""
+"""Block tables of sequences on top of the block pool, the radix prefix cache and the chunk
+store, which share one pool."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.chunk_store import ChunkEntry, ChunkStore
 from prefixrag.engine.radix_cache import HashFn, RadixCache, RadixNode, block_key
 from prefixrag.engine.sequence import Sequence
 
@@ -35,6 +38,9 @@ class BlockManager:
         block_size: int,
         *,
         enable_prefix_cache: bool = True,
+        enable_chunk_reuse: bool = False,
+        model: str = "",
+        on_chunk_evict: Callable[[ChunkEntry], None] | None = None,
         hash_fn: HashFn = block_key,
     ) -> None:
         self.block_size = block_size
@@ -42,12 +48,24 @@ class BlockManager:
         self.cache = RadixCache(
             block_size, self.block_pool, enabled=enable_prefix_cache, hash_fn=hash_fn
         )
+        # every kind of reuse is off when the prefix cache is
+        self.chunks = ChunkStore(
+            self.block_pool,
+            block_size,
+            model=model,
+            enabled=enable_prefix_cache and enable_chunk_reuse,
+            on_evict=on_chunk_evict,
+        )
         self._holds: dict[int, _TreeHold] = {}
 
     @property
     def num_allocatable_blocks(self) -> int:
-        """Free blocks plus cached blocks that eviction could free."""
-        return self.block_pool.num_free_blocks + self.cache.num_evictable_blocks
+        """Free blocks plus cached blocks (tree and chunk store) that eviction could free."""
+        return (
+            self.block_pool.num_free_blocks
+            + self.cache.num_evictable_blocks
+            + self.chunks.num_evictable_blocks
+        )
 
     @property
     def num_tracked_seqs(self) -> int:
@@ -105,13 +123,16 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend the table of ``seq`` to hold ``num_tokens`` tokens, evicting cached leaves
-        when the pool runs dry; raises OutOfBlocksError if even that is not enough."""
+        and then chunk entries when the pool runs dry; raises OutOfBlocksError if even that is
+        not enough."""
         needed = self.num_blocks_to_grow(seq, num_tokens)
         if needed == 0:
             return
         shortfall = needed - self.block_pool.num_free_blocks
         if shortfall > 0:
-            self.cache.evict(shortfall)
+            shortfall -= self.cache.evict(shortfall)
+        if shortfall > 0:
+            self.chunks.evict(shortfall)
         seq.block_ids.extend(self.block_pool.allocate(needed))
 
     def cache_full_blocks(self, seq: Sequence) -> None:

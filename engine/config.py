@@ -38,6 +38,12 @@ class EngineConfig:
     .gguf model on CPU in float32, none elsewhere. ``int8`` (per-channel int8, CPU only) is
     opt-in: its bf16 activations make greedy output depend on how tokens were batched, so prefix
     cache on and off are only exactly equal in ``none`` and ``gguf``.
+
+    Chunk reuse (``enable_chunk_reuse``, only with the prefix cache on) keeps the KV of the
+    source bodies a prompt names and places it at new positions in later prompts, recomputing
+    ``chunk_recompute_fraction`` of those tokens from layer ``chunk_select_layer`` on (1.0 equals
+    plain prefill). Entries evicted from the pool go to a host-RAM tier of ``chunk_host_bytes``
+    and, with ``chunk_disk_dir``, to a disk tier of ``chunk_disk_bytes`` that survives restarts.
     """
 
     model: str
@@ -54,6 +60,12 @@ class EngineConfig:
     device: str = "auto"
     cache_dir: str | None = None
     max_model_len: int | None = None
+    enable_chunk_reuse: bool = True
+    chunk_recompute_fraction: float = 0.15
+    chunk_select_layer: int = 1
+    chunk_host_bytes: int = 1 << 30
+    chunk_disk_dir: str | None = None
+    chunk_disk_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -78,3 +90,14 @@ class EngineConfig:
             raise ValueError(f"cache_dir must be a path string or None, got {self.cache_dir!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
+        if not isinstance(self.enable_chunk_reuse, bool):
+            raise ValueError(f"enable_chunk_reuse must be a bool, got {self.enable_chunk_reuse}")
+        fraction = self.chunk_recompute_fraction
+        if not _is_number(fraction) or not 0 <= fraction <= 1:
+            raise ValueError(f"chunk_recompute_fraction must be in [0, 1], got {fraction!r}")
+        _check_int("chunk_select_layer", self.chunk_select_layer, 1)
+        _check_int("chunk_host_bytes", self.chunk_host_bytes, 0)
+        _check_int("chunk_disk_bytes", self.chunk_disk_bytes, 0)
+        if self.chunk_disk_dir is not None and not isinstance(self.chunk_disk_dir, str):
+            disk_dir = self.chunk_disk_dir
+            raise ValueError(f"chunk_disk_dir must be a path string or None, got {disk_dir!r}")

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.chunk_disk import DiskTier
+from prefixrag.engine.chunk_host import HostTier, TierEntry
+from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampler import Sampler
 from prefixrag.engine.sampling_params import SamplingParams
-from prefixrag.engine.scheduler import Scheduler, SchedulerOutput
+from prefixrag.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixrag.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -81,12 +88,19 @@ class LLMEngine:
             weight_quant=config.weight_quant,
         )
         self.tokenizer = self.runner.tokenizer
+        self.host_tier = HostTier(config.chunk_host_bytes)
+        self.disk_tier = self._open_disk_tier()
         self.scheduler = Scheduler(
             config,
             self.runner.num_blocks,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.runner.max_model_len,
+            model=self._model_fingerprint()["model"],
+            chunk_loader=self._load_chunk,
+            on_chunk_evict=self._spill_chunk,
         )
+        self.blended_tokens = 0  # reused chunk tokens not recomputed, since start
+        self.recomputed_tokens = 0  # reused chunk tokens recomputed by blending, since start
         self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_seq_len)
         self.sampler = Sampler()
         self._requests: dict[int, _Request] = {}
@@ -103,11 +117,13 @@ class LLMEngine:
         *,
         cache_scope: CacheScope = CacheScope(),
         request_id: str | None = None,
+        chunk_spans: SequenceOf[ChunkSpan] = (),
     ) -> int:
         """Queue a request; returns its seq id. ValueError if the prompt can never run.
 
         ``cache_scope`` says which cached blocks the request may reuse and under which
-        namespace its own are cached (see :class:`CacheScope`)."""
+        namespace its own are cached (see :class:`CacheScope`). ``chunk_spans`` name the
+        prompt's source bodies, whose KV the chunk store keeps and may supply."""
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context window of "
@@ -121,6 +137,7 @@ class LLMEngine:
             list(prompt_token_ids),
             params,
             cache_scope=cache_scope,
+            chunk_spans=tuple(chunk_spans),
             arrival_time=time.monotonic(),
         )
         self.scheduler.add(seq)
@@ -146,6 +163,20 @@ class LLMEngine:
         number of tokens pinned."""
         return self.scheduler.cache.pin(list(token_ids), cache_scope).num_tokens
 
+    def drop_chunks(self, namespace: str, tag: str) -> int:
+        """Forget every cached chunk body of ``namespace`` tagged ``tag`` (a deleted document),
+        in every tier; returns how many entries went."""
+        dropped = self.scheduler.chunks.drop_tag(namespace, tag)
+        dropped += self.host_tier.drop_tag(namespace, tag)
+        if self.disk_tier is not None:
+            dropped += self.disk_tier.drop_tag(namespace, tag)
+        return dropped
+
+    def close(self) -> None:
+        """Finish pending disk-tier writes."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
     def step(self) -> list[StepEvent]:
         """Run one scheduling step and return what it produced."""
         out = self.scheduler.schedule()
@@ -160,6 +191,7 @@ class LLMEngine:
         sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
         try:
             token_ids = self._forward(out, sampled_seqs)
+            self._capture_chunks(out)
         except Exception as exc:
             # Keep the engine consistent: drop the step, abort what was in it, report it.
             self.scheduler.discard(out)
@@ -195,9 +227,30 @@ class LLMEngine:
         return [results[i] for i in seq_ids]
 
     def cache_stats(self) -> dict[str, int]:
-        """Prefix-cache counters and KV block occupancy."""
+        """Prefix-cache and chunk-store counters and KV block occupancy."""
         cache, pool = self.scheduler.cache, self.scheduler.blocks.block_pool
+        chunks, host = self.scheduler.chunks, self.host_tier
+        disk = self.disk_tier.stats() if self.disk_tier is not None else {}
         return {
+            "chunk_hits": chunks.hits,
+            "chunk_misses": chunks.misses,
+            "chunk_inserts": chunks.inserts,
+            "chunk_evictions": chunks.evictions,
+            "chunk_entries": chunks.num_entries,
+            "chunk_blocks": chunks.num_blocks,
+            "chunk_pool_bytes": chunks.num_blocks
+            * self.runner.block_size
+            * self.runner.kv_bytes_per_token,
+            "chunk_host_entries": host.num_entries,
+            "chunk_host_bytes": host.bytes,
+            "chunk_host_hits": host.hits,
+            "chunk_host_evictions": host.evictions,
+            "chunk_disk_files": int(disk.get("num_files", 0)),
+            "chunk_disk_bytes": int(disk.get("bytes", 0)),
+            "chunk_disk_hits": int(disk.get("hits", 0)),
+            "chunk_disk_corrupt": int(disk.get("corrupt", 0)),
+            "blended_tokens": self.blended_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
             "queried_tokens": cache.queried_tokens,
             "hit_tokens": cache.hit_tokens,
             "evicted_blocks": cache.evicted_blocks,
@@ -214,12 +267,120 @@ class LLMEngine:
     # -- internals ------------------------------------------------------------------------
 
     def _forward(self, out: SchedulerOutput, sampled_seqs: list[Sequence]) -> list[int]:
-        items = [StepItem(s.token_ids, s.start_pos, s.block_ids, s.do_sample) for s in out.seqs]
-        logits = self.runner.run(items)  # [num_sampled, vocab]
+        plain = [s for s in out.seqs if s.reuse is None]
+        rows: dict[int, torch.Tensor] = {}  # seq id -> its logits row
+        if plain:
+            items = [StepItem(s.token_ids, s.start_pos, s.block_ids, s.do_sample) for s in plain]
+            logits = self.runner.run(items)  # [num_sampled, vocab]
+            rows.update(zip((s.seq.seq_id for s in plain if s.do_sample), logits, strict=True))
+        for s in out.seqs:
+            if s.reuse is not None:  # a blended prefill runs alone: its rows shrink mid-model
+                rows[s.seq.seq_id] = self._blend(s)
         if not sampled_seqs:
             return []
+        logits = torch.stack([rows[seq.seq_id] for seq in sampled_seqs])
         return self.sampler.sample(
             logits, [s.seq_id for s in sampled_seqs], [s.sampling_params for s in sampled_seqs]
+        )
+
+    def _blend(self, item: ScheduledSeq) -> torch.Tensor:
+        assert item.reuse is not None
+        step = StepItem(item.token_ids, item.start_pos, item.block_ids, True)
+        logits, num_recomputed = self.runner.run_blend(
+            step,
+            item.reuse.hits,
+            fraction=self.config.chunk_recompute_fraction,
+            select_layer=self.config.chunk_select_layer,
+        )
+        num_blended = item.reuse.num_reused_tokens - num_recomputed
+        seq = item.seq
+        if seq.num_completion_tokens == 0:  # a prompt's first prefill, not a preempted rerun
+            seq.num_blended_tokens, seq.num_recomputed_tokens = num_blended, num_recomputed
+        self.blended_tokens += num_blended
+        self.recomputed_tokens += num_recomputed
+        return logits[0]
+
+    # -- the chunk store's tiers ----------------------------------------------------------
+
+    def _capture_chunks(self, out: SchedulerOutput) -> None:
+        # A prompt whose prefill just ended has the KV of every body it names: keep the bodies
+        # the store lacks, at the position they had here.
+        store = self.scheduler.chunks
+        if not store.enabled:
+            return
+        for item in out.seqs:
+            seq = item.seq
+            if (
+                not seq.chunk_spans
+                or not item.start_pos < seq.num_prompt_tokens <= item.context_len
+            ):
+                continue
+            namespace = seq.cache_scope.namespace
+            for span in seq.chunk_spans:
+                body = seq.token_ids[span.start : span.end]
+                if store.lookup(namespace, body, count=False) is not None:
+                    continue
+                entry = store.insert(namespace, body, base_pos=span.start, tags=span.tags)
+                if entry is None:
+                    return  # the pool is full of live sequences: no reuse, never an error
+                self.runner.copy_chunk(item.block_ids, span.start, span.length, entry.block_ids)
+                if self.disk_tier is not None:
+                    k, v = self.runner.read_chunk(entry.block_ids, entry.num_tokens)
+                    self.disk_tier.put(
+                        entry.key, namespace, entry.token_ids, entry.base_pos, entry.tags, k, v
+                    )
+
+    def _spill_chunk(self, entry: ChunkEntry) -> None:
+        # evicted from the pool: keep it in host memory while the tier has room
+        if self.host_tier.max_bytes == 0:
+            return
+        k, v = self.runner.read_chunk(entry.block_ids, entry.num_tokens)
+        tier_entry = TierEntry(entry.namespace, entry.token_ids, entry.base_pos, entry.tags, k, v)
+        self.host_tier.put(entry.key, tier_entry)
+
+    def _load_chunk(
+        self, namespace: str, body: tuple[int, ...], span: ChunkSpan
+    ) -> ChunkEntry | None:
+        # a body the pool lacks: from host memory, else from disk, back into pool blocks
+        store = self.scheduler.chunks
+        key = store.key_for(namespace, body)
+        found = self.host_tier.take(key, namespace, body)
+        if found is None and self.disk_tier is not None:
+            on_disk = self.disk_tier.get(key, namespace, body)
+            if on_disk is not None:
+                base_pos, k, v, tags = on_disk
+                found = TierEntry(namespace, body, base_pos, tags, k, v)
+        if found is None:
+            return None
+        tags = tuple(dict.fromkeys((*found.tags, *span.tags)))
+        entry = store.insert(namespace, body, base_pos=found.base_pos, tags=tags)
+        if entry is None:
+            return None
+        self.runner.write_chunk(entry.block_ids, found.k, found.v)
+        return entry
+
+    def _model_fingerprint(self) -> dict[str, str | int]:
+        runner = self.runner
+        config = runner.model_config
+        return {
+            "model": f"{runner.model_path}|{runner.weight_quant}",
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "block_size": runner.block_size,
+            "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+        }
+
+    def _open_disk_tier(self) -> DiskTier | None:
+        config = self.config
+        if not config.chunk_disk_dir or not (
+            config.enable_chunk_reuse and config.enable_prefix_cache
+        ):
+            return None
+        return DiskTier(
+            Path(config.chunk_disk_dir),
+            fingerprint=self._model_fingerprint(),
+            max_bytes=config.chunk_disk_bytes,
         )
 
     def _on_token(self, req: _Request, token_id: int, now: float) -> list[StepEvent]:
@@ -261,6 +422,8 @@ class LLMEngine:
             finish_reason=reason,
             prompt_tokens=req.seq.num_prompt_tokens,
             cached_tokens=req.seq.num_cached_tokens,
+            blended_tokens=req.seq.num_blended_tokens,
+            recomputed_tokens=req.seq.num_recomputed_tokens,
             completion_tokens=n,
             ttft_s=(first - req.arrival) if first is not None else 0.0,
             tpot_s=((last - first) / (n - 1)) if first is not None and last and n > 1 else 0.0,

@@ -16,10 +16,22 @@ from torch import nn
 from prefixrag.engine.attention.cpu_backend import NativeAttention
 from prefixrag.engine.attention.factory import make_backend
 from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
+from prefixrag.engine.attention.scattered import (
+    build_scattered_metadata,
+    make_scattered_attention,
+)
+from prefixrag.engine.blend import (
+    blend_forward,
+    copy_slots,
+    place_reused_kv,
+    read_entry_kv,
+    write_entry_kv,
+)
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
 from prefixrag.engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
+from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
 from prefixrag.engine.weights import load_checkpoint
 from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
@@ -184,6 +196,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         # The backend comes first: a kernel backend also decides the model's norm and RoPE ops.
         self.backend = make_backend(backend, self.device, self.dtype)
+        # blended prefill's later layers: queries at scattered positions over the paged cache
+        self.scattered_backend = make_scattered_attention(backend, self.device)
         self.model = self._build_model(config, tensors, seed)
         self.scale = config.head_dim**-0.5
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -237,6 +251,7 @@ class ModelRunner:
         shape = (2, config.num_layers, num_blocks, self.block_size, config.num_kv_heads)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons SDPA).
         pool = torch.zeros(*shape, config.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_pool = pool
         return [(pool[0, i], pool[1, i]) for i in range(config.num_layers)]
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
@@ -306,6 +321,84 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @torch.inference_mode()
+    def run_blend(
+        self, item: StepItem, hits: list[ReuseHit], *, fraction: float, select_layer: int
+    ) -> tuple[torch.Tensor, int]:
+        """Prefill ``item`` (the rest of one prompt) placing the cached bodies ``hits`` instead
+        of computing them, recomputing ``fraction`` of their tokens (see engine/blend.py).
+
+        Returns the last token's float32 logits [1, vocab] and how many reused tokens were
+        recomputed.
+        """
+        self._check_item(item)
+        start, n = item.start_pos, len(item.token_ids)
+        for hit in hits:
+            if hit.start < start or hit.end >= start + n:
+                raise ValueError(
+                    f"reused body {hit.start}:{hit.end} is not inside {start}:{start + n}"
+                )
+        select_layer = min(select_layer, self.model_config.num_layers - 1)
+        cos_sin = self.model.cos_sin_cache
+        place_reused_kv(
+            self.kv_pool, hits, item.block_ids, first_layer=select_layer, cos_sin_cache=cos_sin
+        )
+        reused = torch.zeros(n, dtype=torch.bool, device=self.device)
+        for hit in hits:
+            reused[hit.start - start : hit.end - start] = True
+        meta = build_attention_metadata(
+            [],
+            [SeqSpan(start, n, item.block_ids)],
+            block_size=self.block_size,
+            scale=self.scale,
+            device=self.device,
+        )
+        positions = torch.arange(start, start + n, device=self.device)
+
+        def scattered_ctx(rows: torch.Tensor) -> ForwardContext:
+            sub_meta = build_scattered_metadata(
+                positions.index_select(0, rows).tolist(),
+                item.block_ids,
+                block_size=self.block_size,
+                scale=self.scale,
+                device=self.device,
+            )
+            return ForwardContext(self.scattered_backend, sub_meta, self.kv_caches)  # type: ignore[arg-type]
+
+        input_ids = torch.tensor(item.token_ids, dtype=torch.int64, device=self.device)
+        result = blend_forward(
+            self.model,
+            input_ids,
+            positions,
+            reused,
+            ForwardContext(self.backend, meta, self.kv_caches),
+            scattered_ctx,
+            fraction=fraction,
+            select_layer=select_layer,
+        )
+        return self.model.logits(result.last_hidden), result.num_recomputed
+
+    @torch.inference_mode()
+    def copy_chunk(
+        self, src_block_ids: list[int], start: int, num_tokens: int, dst_block_ids: list[int]
+    ) -> None:
+        """Copy the K/V of tokens ``start:start + num_tokens`` of a sequence into the start of
+        a chunk entry's blocks."""
+        copy_slots(self.kv_pool, src_block_ids, start, num_tokens, dst_block_ids)
+
+    @torch.inference_mode()
+    def read_chunk(
+        self, block_ids: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk entry's K and V, copied out of the pool to host memory."""
+        k, v = read_entry_kv(self.kv_pool, block_ids, num_tokens)
+        return k.cpu(), v.cpu()
+
+    @torch.inference_mode()
+    def write_chunk(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fill a chunk entry's blocks with K and V from a slower tier."""
+        write_entry_kv(self.kv_pool, block_ids, k, v)
 
     @staticmethod
     def _logit_rows(items: list[StepItem], first_row: list[int], all_logits: bool) -> list[int]:

@@ -15,7 +15,11 @@ class GenerationDelta:
 
 @dataclass(slots=True)
 class GenerationResult:
-    """The finished request: full text, why it stopped, and its cost in tokens and seconds."""
+    """The finished request: full text, why it stopped, and its cost in tokens and seconds.
+
+    Of the prompt, ``cached_tokens`` came from an exact prefix hit, ``blended_tokens`` from cached
+    chunk bodies at new positions, and ``recomputed_tokens`` were cached bodies computed again.
+    """
 
     request_id: str
     text: str
@@ -27,4 +31,6 @@ class GenerationResult:
     ttft_s: float
     tpot_s: float
     stop_reason: str | int | None = None
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

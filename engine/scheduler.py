@@ -1,16 +1,22 @@
-"""Continuous batching: chunked prefill, longest-prefix-first admission, preemption by recompute."""
+"""Continuous batching: chunked prefill, longest-prefix-first admission, preemption by recompute,
+and the reuse plan of each admitted prompt's cached chunk bodies."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from itertools import islice
 
 from prefixrag.engine.block_manager import BlockManager
+from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan, ChunkStore
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.radix_cache import HashFn, RadixCache, block_key
+from prefixrag.engine.reuse_plan import ReuseHit, ReusePlan
 from prefixrag.engine.sequence import Sequence, SequenceStatus
+
+# (namespace, body token ids, span) -> an entry now in the store, from a slower tier, or None
+ChunkLoader = Callable[[str, tuple[int, ...], ChunkSpan], ChunkEntry | None]
 
 
 @dataclass(slots=True)
@@ -42,7 +48,9 @@ class ScheduledSeq:
 
     ``block_ids`` is the sequence's live block table, covering ``start_pos + len(token_ids)``
     tokens; read it before ``postprocess``. ``do_sample`` is True when this step reaches the end
-    of the sequence (decode, or the last prefill chunk) and so must produce one token.
+    of the sequence (decode, or the last prefill chunk) and so must produce one token. ``reuse``
+    names cached chunk bodies to place among ``token_ids`` instead of computing them all (then
+    ``token_ids`` is the whole rest of the prompt, in one step).
     """
 
     seq: Sequence
@@ -50,6 +58,7 @@ class ScheduledSeq:
     start_pos: int
     block_ids: list[int]
     do_sample: bool
+    reuse: ReusePlan | None = None
 
     @property
     def context_len(self) -> int:
@@ -93,6 +102,9 @@ class Scheduler:
         max_model_len: int | None = None,
         policy: SchedulingPolicy | None = None,
         hash_fn: HashFn = block_key,
+        model: str = "",
+        chunk_loader: ChunkLoader | None = None,
+        on_chunk_evict: Callable[[ChunkEntry], None] | None = None,
     ) -> None:
         num_blocks = config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
         if num_blocks is None:
@@ -104,8 +116,13 @@ class Scheduler:
             num_blocks,
             config.block_size,
             enable_prefix_cache=config.enable_prefix_cache,
+            enable_chunk_reuse=config.enable_chunk_reuse,
+            model=model,
+            on_chunk_evict=on_chunk_evict,
             hash_fn=hash_fn,
         )
+        self.chunk_loader = chunk_loader
+        self._plans: dict[int, ReusePlan] = {}  # by seq id, from admission to postprocess
         # the longest a sequence may grow: the pool, config.max_model_len, the model's own limit
         limits = (num_blocks * config.block_size, config.max_model_len, max_model_len)
         self.max_seq_len = min(limit for limit in limits if limit is not None)
@@ -122,6 +139,11 @@ class Scheduler:
     def cache(self) -> RadixCache:
         """The prefix cache (counters, pin/unpin)."""
         return self.blocks.cache
+
+    @property
+    def chunks(self) -> ChunkStore:
+        """The chunk KV store (counters, drop by tag)."""
+        return self.blocks.chunks
 
     @property
     def num_waiting(self) -> int:
@@ -238,7 +260,10 @@ class Scheduler:
                 return
             num_cached = self.blocks.match(seq)
             n = min(seq.num_uncomputed_tokens, budget)
+            # blending needs the whole rest of the prompt in one step
+            plan = self._plan_reuse(seq, num_cached) if n == seq.num_uncomputed_tokens else None
             if not self.blocks.can_grow(seq, num_cached + n):
+                self._release_plan(plan)
                 self.blocks.release(seq)
                 return
             self.cache.record_query(seq.num_tokens, num_cached)
@@ -247,8 +272,40 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             del self._waiting[seq.seq_id]
             self._running[seq.seq_id] = seq
-            self._add(out, seq, n, None)
+            if plan is not None:
+                self._plans[seq.seq_id] = plan
+            self._add(out, seq, n, None, plan)
             budget -= n
+
+    def _plan_reuse(self, seq: Sequence, num_cached: int) -> ReusePlan | None:
+        # The chunk bodies after the exact prefix that a tier holds, each held until the step
+        # ran. A body that ends the prompt is left to compute: the last token needs logits.
+        store = self.blocks.chunks
+        if not store.enabled or not seq.chunk_spans:
+            return None
+        plan = ReusePlan()
+        namespace = seq.cache_scope.namespace
+        for span in seq.chunk_spans:
+            if span.start < num_cached or span.end >= seq.num_tokens:
+                continue
+            body = tuple(seq.token_ids[span.start : span.end])
+            entry = store.lookup(namespace, body)
+            if entry is None and self.chunk_loader is not None:
+                entry = self.chunk_loader(namespace, body, span)
+            if entry is None:
+                continue
+            store.acquire(entry)
+            plan.entries.append(entry)
+            hit = ReuseHit(span.start, span.length, tuple(entry.block_ids), entry.base_pos)
+            plan.hits.append(hit)
+        return plan if plan.hits else None
+
+    def _release_plan(self, plan: ReusePlan | None) -> None:
+        for entry in plan.entries if plan is not None else ():
+            self.blocks.chunks.release(entry)
+
+    def _drop_plan(self, seq: Sequence) -> None:
+        self._release_plan(self._plans.pop(seq.seq_id, None))
 
     def _rank_waiting(self) -> list[Sequence]:
         step, policy = self._step, self.policy
@@ -273,13 +330,20 @@ class Scheduler:
         self._finish(stuck, "length")
         out.finished.append(stuck)
 
-    def _add(self, out: SchedulerOutput, seq: Sequence, n: int, scheduled: set[int] | None) -> None:
+    def _add(
+        self,
+        out: SchedulerOutput,
+        seq: Sequence,
+        n: int,
+        scheduled: set[int] | None,
+        reuse: ReusePlan | None = None,
+    ) -> None:
         start = seq.num_computed_tokens
         if start + n > len(seq.block_ids) * self.config.block_size:
             self.blocks.grow(seq, start + n)
         token_ids = seq.token_ids[start : start + n]
         out.seqs.append(
-            ScheduledSeq(seq, token_ids, start, seq.block_ids, start + n == seq.num_tokens)
+            ScheduledSeq(seq, token_ids, start, seq.block_ids, start + n == seq.num_tokens, reuse)
         )
         out.num_batched_tokens += n
         if scheduled is not None:
@@ -292,6 +356,7 @@ class Scheduler:
         raise RuntimeError("no running sequence left to preempt")
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._drop_plan(seq)
         self.blocks.release(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -307,6 +372,8 @@ class Scheduler:
         if out is not self._in_flight:
             raise ValueError("discard() takes the output of the latest schedule()")
         self._in_flight = None
+        for item in out.seqs:
+            self._drop_plan(item.seq)
 
     # -- after the model ran ----------------------------------------------------------------
 
@@ -330,6 +397,7 @@ class Scheduler:
         for item in out.seqs:
             token_id = next(sampled) if item.do_sample else None
             seq = item.seq
+            self._drop_plan(seq)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             seq.num_computed_tokens += len(item.token_ids)
@@ -358,6 +426,7 @@ class Scheduler:
             del self._running[seq.seq_id]
         else:
             self._waiting.pop(seq.seq_id, None)
+        self._drop_plan(seq)
         self.blocks.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.chunk_store import ChunkSpan, check_spans
 from prefixrag.engine.sampling_params import SamplingParams
 
 
@@ -25,19 +26,26 @@ class Sequence:
     The first ``num_computed_tokens`` tokens have KV in ``block_ids`` (``block_ids[i]`` holds
     positions ``i*block_size`` to ``(i+1)*block_size - 1``). The scheduler owns every field after
     ``arrival_time``; callers read them. ``cache_scope`` says whose prefix cache the request
-    reads and writes (see :class:`CacheScope`).
+    reads and writes (see :class:`CacheScope`); ``chunk_spans`` are the prompt's source bodies,
+    whose KV the chunk store may supply (see engine/chunk_store.py). Of the prompt,
+    ``num_cached_tokens`` came from an exact prefix hit, ``num_blended_tokens`` from cached chunk
+    bodies placed at new positions, and ``num_recomputed_tokens`` were cached bodies computed
+    again by blending.
     """
 
     seq_id: int
     token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cache_scope: CacheScope = CacheScope()
+    chunk_spans: tuple[ChunkSpan, ...] = ()
     arrival_time: float = 0.0
     num_prompt_tokens: int = field(init=False)
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
     finish_reason: str | None = field(default=None, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)
+    num_blended_tokens: int = field(default=0, init=False)
+    num_recomputed_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
     arrival_order: int = field(default=-1, init=False)
     num_preemptions: int = field(default=0, init=False)
@@ -57,6 +65,7 @@ class Sequence:
             raise ValueError("cache_scope must be a CacheScope")
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self.chunk_spans = check_spans(self.chunk_spans, self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -105,5 +105,11 @@ class ChatShape(Shape):
 
 
 def usage_body(result: GenerationResult) -> dict[str, Any]:
-    usage = make_usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+    usage = make_usage(
+        result.prompt_tokens,
+        result.completion_tokens,
+        result.cached_tokens,
+        blended_tokens=result.blended_tokens,
+        recomputed_tokens=result.recomputed_tokens,
+    )
     return usage.model_dump()

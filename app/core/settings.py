@@ -71,6 +71,14 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
+    # chunk KV reuse: cached source bodies placed at new positions (off: exact prefixes only)
+    chunk_reuse: bool = True
+    # share of reused tokens computed again by blending; 1.0 equals plain prefill
+    chunk_recompute_fraction: float = Field(0.15, ge=0.0, le=1.0)
+    chunk_select_layer: int = Field(1, ge=1)
+    chunk_host_gb: float = Field(1.0, ge=0.0)
+    # 0 turns the disk tier (data_dir/kv_chunks) off
+    chunk_disk_gb: float = Field(4.0, ge=0.0)
 
     # Q&A
     system_prompt_file: Path | None = None
@@ -120,6 +128,10 @@ class Settings(BaseSettings):
     @property
     def cache_dir(self) -> Path:
         return self.data_dir / "cache"
+
+    @property
+    def chunk_disk_dir(self) -> Path:
+        return self.data_dir / "kv_chunks"
 
 
 def get_settings() -> Settings:

@@ -73,6 +73,8 @@ class BuiltPrompt:
     `sources` are the chunks this turn adds, cited as [first_number + i]; `reused` are retrieved
     chunks an earlier kept turn already laid out, with their original numbers. `dropped` are the
     new chunks that did not fit; `dropped_turns` counts the oldest turns left out to fit.
+    `body_spans` are (start, length, document id) of each new source's body in `token_ids`: the
+    segments whose KV the engine's chunk store may supply at any position.
     """
 
     token_ids: list[int]
@@ -83,6 +85,7 @@ class BuiltPrompt:
     first_number: int = 1
     reused: list[tuple[int, Source]] = field(default_factory=list)
     dropped_turns: int = 0
+    body_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def numbered(self) -> list[tuple[int, Source]]:
@@ -159,6 +162,7 @@ class PromptBuilder:
                 )
         all_new = [s for s in ranked if s.chunk_id not in cited]
         return BuiltPrompt(
+            body_spans=self._body_spans(ordered, len(cited) + 1, cache, len(head_ids)),
             token_ids=[*head_ids, *source_ids, *question_ids],
             num_stable_tokens=len(self.stable_ids),
             num_question_tokens=len(question_ids),
@@ -215,6 +219,18 @@ class PromptBuilder:
                 body_ids[source.chunk_id] = self.tokenizer.encode(source_body(source))
             ids += body_ids[source.chunk_id]
         return ids
+
+    def _body_spans(
+        self, ordered: list[Source], first: int, body_ids: dict[int, list[int]], offset: int
+    ) -> list[tuple[int, int, int]]:
+        # where each body lies once the sources follow `offset` tokens (see _source_ids)
+        spans = []
+        for n, source in enumerate(ordered, start=first):
+            offset += len(self.tokenizer.encode(source_header(n, source)))
+            length = len(body_ids[source.chunk_id])
+            spans.append((offset, length, source.document_id))
+            offset += length
+        return spans
 
     def _split_template(self) -> tuple[str, str, str]:
         """(stable text, what closes a user turn and opens the answer, what closes an answer and

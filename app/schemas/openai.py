@@ -88,7 +88,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class PromptTokensDetails(BaseModel):
+    """OpenAI's cached_tokens (exact prefix hits), and beside it our chunk reuse: source bodies
+    reused at new positions and those computed again by blending."""
+
     cached_tokens: int
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -98,12 +103,23 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+def make_usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    *,
+    blended_tokens: int = 0,
+    recomputed_tokens: int = 0,
+) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=cached_tokens,
+            blended_tokens=blended_tokens,
+            recomputed_tokens=recomputed_tokens,
+        ),
     )
 
 

@@ -72,9 +72,15 @@ class CitationOut(BaseModel):
 
 
 class UsageOut(BaseModel):
+    """Token counts. Of the prompt, `cached_tokens` came from an exact prefix hit,
+    `blended_tokens` from cached source bodies placed at new positions (not computed again),
+    and `recomputed_tokens` were cached bodies that blending computed again."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 class QueryOut(BaseModel):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
 from prefixrag.app.core.settings import Settings
 from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
@@ -31,7 +32,18 @@ def engine_config_from_settings(settings: Settings) -> EngineConfig:
         dtype=settings.dtype,
         weight_quant=settings.weight_quant,
         cache_dir=str(settings.cache_dir / "models"),
+        enable_chunk_reuse=settings.chunk_reuse,
+        chunk_recompute_fraction=settings.chunk_recompute_fraction,
+        chunk_select_layer=settings.chunk_select_layer,
+        chunk_host_bytes=int(settings.chunk_host_gb * 2**30),
+        chunk_disk_dir=str(settings.chunk_disk_dir) if settings.chunk_disk_gb > 0 else None,
+        chunk_disk_bytes=int(settings.chunk_disk_gb * 2**30),
     )
+
+
+def document_tag(document_id: int) -> str:
+    """The chunk-store tag of a document's bodies."""
+    return f"doc:{document_id}"
 
 
 def model_id_for(path: str) -> str:
@@ -106,10 +118,12 @@ class LLMService:
         params: SamplingParams,
         *,
         cache_scope: CacheScope = CacheScope(),
+        chunk_spans: tuple[ChunkSpan, ...] = (),
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
         """The engine's stream for this prompt, its prefix cache scoped by `cache_scope` (the
-        tenant's salt past a public head). QueueFullError (429) when
-        `max_queued_requests` generations are already waiting or running."""
+        tenant's salt past a public head), `chunk_spans` naming its source bodies for the
+        chunk KV store. QueueFullError (429) when `max_queued_requests` generations are
+        already waiting or running."""
         limit = self.settings.max_queued_requests
         if self.num_active >= limit:
             # one engine batch of max_num_seqs drains at a time: wait about one per batch ahead
@@ -118,8 +132,14 @@ class LLMService:
                 f"{self.num_active} generations are queued (the limit is {limit}); retry later",
                 retry_after=1 + batches_ahead,
             )
-        stream = self.engine.generate(prompt_ids, params, cache_scope=cache_scope)
+        stream = self.engine.generate(
+            prompt_ids, params, cache_scope=cache_scope, chunk_spans=chunk_spans
+        )
         return self._counted(stream)
+
+    async def forget_document(self, tenant: str, document_id: int) -> int:
+        """Drop a deleted document's chunk bodies from the engine's chunk KV store."""
+        return await self.engine.drop_chunks(tenant, document_tag(document_id))
 
     async def _counted(
         self, stream: AsyncIterator[GenerationDelta | GenerationResult]

@@ -116,6 +116,48 @@ class EngineCollector(Collector):
         for name in KV_BLOCK_STATES:
             blocks.add_metric([name], stats[f"blocks_{name}"])
         yield from (queried, hit, blocks)
+        yield from _chunk_store_metrics(stats)
+
+
+def _chunk_store_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+    """The chunk KV store: lookups by outcome, evictions, and bytes held in each tier."""
+    lookups = CounterMetricFamily(
+        "prefixrag_chunk_store_lookups",
+        "source bodies looked up in the chunk KV store, by outcome and the tier that served them",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit_pool"], stats["chunk_hits"])
+    lookups.add_metric(["hit_host"], stats["chunk_host_hits"])
+    lookups.add_metric(["hit_disk"], stats["chunk_disk_hits"])
+    # a pool miss served by a slower tier is not a miss of the store
+    misses = stats["chunk_misses"] - stats["chunk_host_hits"] - stats["chunk_disk_hits"]
+    lookups.add_metric(["miss"], max(0, misses))
+    evictions = CounterMetricFamily(
+        "prefixrag_chunk_store_evictions", "chunk entries evicted from a tier", labels=["tier"]
+    )
+    evictions.add_metric(["pool"], stats["chunk_evictions"])
+    evictions.add_metric(["host"], stats["chunk_host_evictions"])
+    held = GaugeMetricFamily(
+        "prefixrag_chunk_store_bytes", "bytes of chunk KV held, by tier", labels=["tier"]
+    )
+    held.add_metric(["pool"], stats["chunk_pool_bytes"])
+    held.add_metric(["host"], stats["chunk_host_bytes"])
+    held.add_metric(["disk"], stats["chunk_disk_bytes"])
+    entries = GaugeMetricFamily(
+        "prefixrag_chunk_store_entries", "chunk entries held, by tier", labels=["tier"]
+    )
+    entries.add_metric(["pool"], stats["chunk_entries"])
+    entries.add_metric(["host"], stats["chunk_host_entries"])
+    entries.add_metric(["disk"], stats["chunk_disk_files"])
+    reused = CounterMetricFamily(
+        "prefixrag_chunk_reuse_tokens",
+        "prompt tokens of cached source bodies placed at new positions, by whether blending "
+        "computed them again",
+        labels=["kind"],
+    )
+    reused.add_metric(["blended"], stats["blended_tokens"])
+    reused.add_metric(["recomputed"], stats["recomputed_tokens"])
+    yield from (lookups, evictions, held, entries, reused)
 
 
 class DocumentCollector(Collector):

@@ -24,9 +24,10 @@ from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
 from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
-from prefixrag.app.services.llm import LLMService
+from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.search import search
 from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.retrieval.pipeline import Hit, Retriever
@@ -182,7 +183,11 @@ def answer_stream(
     stable = pipeline.prompts.stable_ids
     public = len(stable) if ids[: len(stable)] == stable else 0
     cache_scope = CacheScope(namespace=prepared.tenant, num_public_tokens=public)
-    return pipeline.llm.generate(ids, prepared.params, cache_scope=cache_scope)
+    spans = tuple(
+        ChunkSpan(start, length, (document_tag(document_id),))
+        for start, length, document_id in prepared.prompt.body_spans
+    )
+    return pipeline.llm.generate(ids, prepared.params, cache_scope=cache_scope, chunk_spans=spans)
 
 
 def citations(prepared: PreparedAnswer) -> list[CitationOut]:
@@ -215,6 +220,8 @@ def usage(result: GenerationResult) -> UsageOut:
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
         cached_tokens=result.cached_tokens,
+        blended_tokens=result.blended_tokens,
+        recomputed_tokens=result.recomputed_tokens,
     )
 
 

@@ -224,9 +224,13 @@ class Turn {
     this.isDone = true;
     this.render(false);
     const stats = this.root.querySelector(".stats");
-    const share = usage.prompt_tokens ? Math.round((100 * usage.cached_tokens) / usage.prompt_tokens) : 0;
+    const pct = (n) => (usage.prompt_tokens ? Math.round((100 * n) / usage.prompt_tokens) : 0);
+    // reused: served from the exact prefix cache, or cached source bodies placed anew (blended)
+    const blended = usage.blended_tokens || 0;
+    const reused = usage.cached_tokens + blended;
     const rows = [
-      ["Cached tokens", `${usage.cached_tokens} of ${usage.prompt_tokens} (${share}%)`, "cached"],
+      ["Cached tokens", `${usage.cached_tokens} of ${usage.prompt_tokens} (${pct(usage.cached_tokens)}%)`, "cached"],
+      ["Reused share", `${pct(reused)}% (${blended} blended, ${usage.recomputed_tokens || 0} recomputed)`, "reused"],
       ["TTFT", ms(timings.ttft_ms), "ttft"],
       ["Tokens out", `${usage.completion_tokens}`, "completion"],
       ["Per token", ms(timings.tpot_ms), "tpot"],

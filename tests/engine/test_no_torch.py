@@ -12,6 +12,8 @@ PURE_MODULES = [
     "prefixrag.engine.radix_cache",
     "prefixrag.engine.block_manager",
     "prefixrag.engine.scheduler",
+    "prefixrag.engine.chunk_store",
+    "prefixrag.engine.reuse_plan",
 ]
 
 

@@ -89,9 +89,13 @@ def get_one(document_id: DocumentId, session: SessionDep, tenant: TenantDep) -> 
 
 
 @router.delete("/{document_id}", status_code=204, responses=error_responses(404, 409))
-def delete_one(document_id: DocumentId, ingest: IngestDep, tenant: TenantDep) -> Response:
-    """Delete a document with its chunks and vectors."""
-    ingest.delete(document_id, tenant)
+async def delete_one(
+    document_id: DocumentId, ingest: IngestDep, tenant: TenantDep, state: StateDep
+) -> Response:
+    """Delete a document with its chunks, its vectors and its chunks' cached KV."""
+    await run_in_threadpool(ingest.delete, document_id, tenant)
+    if state.llm is not None:
+        await state.llm.forget_document(tenant, document_id)
     return Response(status_code=204)
 
 
