@@ -122,6 +122,16 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
+    def cached_prefix_len(
+        self, token_ids: SequenceOf[int], cache_scope: CacheScope = CacheScope()
+    ) -> int:
+        """How many leading tokens of ``token_ids`` the prefix cache holds now for this scope.
+
+        A read-only peek from the caller's thread (no recency, no counters): the tree only
+        grows or loses leaves between steps, so at worst the answer is a step old.
+        """
+        return self.engine.scheduler.cache.prefix_len(list(token_ids), cache_scope)
+
     async def drop_chunks(self, namespace: str, tag: str) -> int:
         """Forget the cached chunk bodies of ``namespace`` tagged ``tag`` (a deleted document)."""
         return await self.call(lambda engine: engine.drop_chunks(namespace, tag))

@@ -43,8 +43,9 @@ class ChunkSpan:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.start < 0 or self.length < 1:
             raise ValueError(f"a chunk span needs start >= 0 and length >= 1, got {self}")
-        if not all(isinstance(tag, str) for tag in self.tags):
-            raise ValueError("chunk span tags must be strings")
+        # a bare str would pass as its characters, and drop_tag would never find the document
+        if isinstance(self.tags, str) or not all(isinstance(tag, str) for tag in self.tags):
+            raise ValueError("chunk span tags must be a tuple of strings")
 
     @property
     def end(self) -> int:
@@ -53,11 +54,12 @@ class ChunkSpan:
 
 def check_spans(spans: Sequence[ChunkSpan], num_tokens: int) -> tuple[ChunkSpan, ...]:
     """``spans`` sorted by start; ValueError if one overlaps another or runs past the prompt."""
+    spans = tuple(spans)
+    if not all(isinstance(span, ChunkSpan) for span in spans):
+        raise ValueError("chunk spans must be ChunkSpan values")
     ordered = tuple(sorted(spans, key=lambda s: s.start))
     end = 0
     for span in ordered:
-        if not isinstance(span, ChunkSpan):
-            raise ValueError("chunk spans must be ChunkSpan values")
         if span.start < end:
             raise ValueError(f"chunk spans overlap at token {span.start}")
         if span.end > num_tokens:
@@ -214,11 +216,13 @@ class ChunkStore:
         if entry.ref_count <= 0:
             raise ValueError("release of a chunk entry that is not acquired")
         entry.ref_count -= 1
+        if entry.ref_count == 0 and entry.doomed:
+            # dropped: it goes with its last reader, whatever pins it (as drop does unread ones)
+            self._num_protected_blocks -= len(entry.block_ids)
+            self._remove(entry, evicted=False)
+            return
         if entry.is_evictable:
             self._num_protected_blocks -= len(entry.block_ids)
-            if entry.doomed:
-                self._remove(entry, evicted=False)
-                return
         self._touch(entry)
 
     def pin(self, entry: ChunkEntry) -> None:
@@ -261,8 +265,11 @@ class ChunkStore:
             return None  # a hash collision: refuse rather than alias
         needed = -(-len(token_ids) // self.block_size)
         shortfall = needed - self.block_pool.num_free_blocks
-        if shortfall > 0 and (not can_evict or self.evict(shortfall) < shortfall):
-            return None
+        if shortfall > 0:
+            # never evict for nothing: check first that eviction could make the room
+            if not can_evict or self.num_evictable_blocks < shortfall:
+                return None
+            self.evict(shortfall)
         entry = ChunkEntry(
             key,
             namespace,

@@ -191,7 +191,6 @@ class LLMEngine:
         sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
         try:
             token_ids = self._forward(out, sampled_seqs)
-            self._capture_chunks(out)
         except Exception as exc:
             # Keep the engine consistent: drop the step, abort what was in it, report it.
             self.scheduler.discard(out)
@@ -199,6 +198,10 @@ class LLMEngine:
             for seq_id in seq_ids:
                 self.abort(seq_id)
             raise StepFailedError(exc, seq_ids) from exc
+        try:
+            self._capture_chunks(out)
+        except Exception:  # keeping bodies for later is an optimization: never fail a request
+            logger.exception("could not keep this step's source bodies in the chunk store")
         finished = self.scheduler.postprocess(out, token_ids)
         now = time.monotonic()
         for seq, token_id in zip(sampled_seqs, token_ids, strict=True):
@@ -326,8 +329,16 @@ class LLMEngine:
                 self.runner.copy_chunk(item.block_ids, span.start, span.length, entry.block_ids)
                 if self.disk_tier is not None:
                     k, v = self.runner.read_chunk(entry.block_ids, entry.num_tokens)
+                    # read_chunk made fresh copies: the tier may keep them as they are
                     self.disk_tier.put(
-                        entry.key, namespace, entry.token_ids, entry.base_pos, entry.tags, k, v
+                        entry.key,
+                        namespace,
+                        entry.token_ids,
+                        entry.base_pos,
+                        entry.tags,
+                        k,
+                        v,
+                        copy=False,
                     )
 
     def _spill_chunk(self, entry: ChunkEntry) -> None:

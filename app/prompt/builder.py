@@ -15,6 +15,7 @@ answer, so the engine's radix cache serves all of it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -127,9 +128,14 @@ class PromptBuilder:
         *,
         max_prompt_tokens: int,
         history: list[Turn] | None = None,
+        cached_prefix_len: Callable[[list[int]], int] | None = None,
     ) -> BuiltPrompt:
         """The prompt for `question` over `ranked` (best first) after `history` (oldest first), at
         most `max_prompt_tokens` long.
+
+        With `cached_prefix_len` (how many leading tokens of these ids the engine has cached),
+        canonical order picks, among the equally good orders of the documents, the one whose
+        prefix is cached longest (RAGCache's idea): an exact hit needs no recompute at all.
 
         To fit, drops the oldest turns first, then the lowest-ranked new sources one at a time;
         raises PromptTooLongError when even the question alone with no sources is too long.
@@ -146,6 +152,10 @@ class PromptBuilder:
             head_ids, cited = self._history_ids(kept_turns, cache)
             new = [s for s in ranked if s.chunk_id not in cited][:num_kept_sources]
             ordered = self._ordered(new)
+            if cached_prefix_len is not None and self.order == "canonical":
+                ordered = self._cached_first(
+                    ordered, head_ids, len(cited) + 1, cache, cached_prefix_len
+                )
             source_ids = self._source_ids(ordered, len(cited) + 1, cache, bool(kept_turns))
             total = len(head_ids) + len(source_ids) + len(question_ids)
             if total <= max_prompt_tokens:
@@ -219,6 +229,46 @@ class PromptBuilder:
                 body_ids[source.chunk_id] = self.tokenizer.encode(source_body(source))
             ids += body_ids[source.chunk_id]
         return ids
+
+    def _cached_first(
+        self,
+        ordered: list[Source],
+        head_ids: list[int],
+        first: int,
+        body_ids: dict[int, list[int]],
+        cached_prefix_len: Callable[[list[int]], int],
+    ) -> list[Source]:
+        """Canonical order with whole documents moved so the longest prefix is cached.
+
+        Any order of the documents is equally good for the answer (each keeps its chunks in
+        position order), so greedily put next the document that extends the cached prefix
+        furthest; once none does, the rest stay in canonical order.
+        """
+        groups: list[list[Source]] = []
+        for source in ordered:
+            if groups and groups[-1][0].document_id == source.document_id:
+                groups[-1].append(source)
+            else:
+                groups.append([source])
+        if len(groups) < 2:
+            return ordered
+        placed: list[Source] = []
+        ids = list(head_ids)
+        reach = cached_prefix_len(ids)
+        while len(groups) > 1:
+            best, best_reach = 0, reach
+            for i, group in enumerate(groups):
+                candidate = ids + self._source_ids(group, first + len(placed), body_ids, False)
+                got = cached_prefix_len(candidate)
+                if got > best_reach:
+                    best, best_reach = i, got
+            if best_reach <= reach:
+                break  # nothing extends the cached prefix: canonical from here
+            group = groups.pop(best)
+            ids += self._source_ids(group, first + len(placed), body_ids, False)
+            placed += group
+            reach = best_reach
+        return placed + [s for group in groups for s in group]
 
     def _body_spans(
         self, ordered: list[Source], first: int, body_ids: dict[int, list[int]], offset: int

@@ -137,6 +137,10 @@ class LLMService:
         )
         return self._counted(stream)
 
+    def cached_prefix_len(self, prompt_ids: list[int], cache_scope: CacheScope) -> int:
+        """Leading tokens of `prompt_ids` the engine's prefix cache holds for `cache_scope`."""
+        return self.engine.cached_prefix_len(prompt_ids, cache_scope)
+
     async def forget_document(self, tenant: str, document_id: int) -> int:
         """Drop a deleted document's chunk bodies from the engine's chunk KV store."""
         return await self.engine.drop_chunks(tenant, document_tag(document_id))

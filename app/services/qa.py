@@ -77,7 +77,14 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         pipeline.on_retrieval(timings)
     room = llm.max_model_len - max_tokens
     ranked = [to_source(hit) for hit in hits]
-    prompt = pipeline.prompts.build(query.question, ranked, max_prompt_tokens=room, history=history)
+    scope = CacheScope(namespace=tenant, num_public_tokens=len(pipeline.prompts.stable_ids))
+    prompt = pipeline.prompts.build(
+        query.question,
+        ranked,
+        max_prompt_tokens=room,
+        history=history,
+        cached_prefix_len=lambda ids: llm.cached_prefix_len(ids, scope),
+    )
     return PreparedAnswer(prompt, params, timings, started, tenant)
 
 

@@ -288,3 +288,45 @@ def test_overflow_drops_the_oldest_turns_first_then_new_sources(
 def test_earlier_turn_needs_a_question(builder: PromptBuilder):
     with pytest.raises(ValueError, match="question is empty"):
         Turn("  ", "answer")
+
+
+def test_body_spans_point_at_each_source_body(builder: PromptBuilder, tokenizer: Tokenizer):
+    rng = random.Random(7)
+    sources = make_sources(rng, 5)
+    prompt = builder.build("What is it?", sources, max_prompt_tokens=4000)
+    assert len(prompt.body_spans) == len(prompt.sources)
+    for source, (start, n, document_id) in zip(prompt.sources, prompt.body_spans, strict=True):
+        assert prompt.token_ids[start : start + n] == tokenizer.encode(source_body(source))
+        assert document_id == source.document_id
+
+
+def test_documents_are_ordered_to_follow_the_cached_prefix(
+    builder: PromptBuilder, tokenizer: Tokenizer
+) -> None:
+    def source(chunk_id: int, document_id: int, start: int, text: str) -> Source:
+        return Source(chunk_id, document_id, f"Doc {document_id}", text, start=start)
+
+    a1, a2 = source(1, 1, 0, "Alpha one."), source(2, 1, 50, "Alpha two.")
+    b1 = source(3, 2, 0, "Beta one, a longer passage about the second document.")
+    canonical = builder.build("Q?", [b1, a2, a1], max_prompt_tokens=4000)
+    assert [s.chunk_id for s in canonical.sources] == [1, 2, 3]
+    # an earlier prompt laid out document 2 first: its prefix is cached, so follow it
+    earlier = builder.build("Earlier?", [b1], max_prompt_tokens=4000).token_ids
+    cached = earlier[: len(earlier) - canonical.num_question_tokens]
+
+    def cached_prefix_len(ids: list[int]) -> int:
+        n = 0
+        while n < min(len(ids), len(cached)) and ids[n] == cached[n]:
+            n += 1
+        return n // 16 * 16  # whole blocks, as the radix cache counts
+
+    followed = builder.build(
+        "Q?", [b1, a2, a1], max_prompt_tokens=4000, cached_prefix_len=cached_prefix_len
+    )
+    assert [s.chunk_id for s in followed.sources] == [3, 1, 2]  # each document still in order
+    assert cached_prefix_len(followed.token_ids) > cached_prefix_len(canonical.token_ids)
+    # nothing cached beyond the head: canonical order stays
+    head_only = builder.build(
+        "Q?", [b1, a2, a1], max_prompt_tokens=4000, cached_prefix_len=lambda ids: 0
+    )
+    assert [s.chunk_id for s in head_only.sources] == [1, 2, 3]

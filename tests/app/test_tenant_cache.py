@@ -72,6 +72,7 @@ def test_the_same_question_shares_only_the_public_system_prefix(tenants):
     assert first["prompt_tokens"] == other["prompt_tokens"]  # the same prompt, token for token
     assert again["cached_tokens"] > public  # A reuses its own sources
     assert other["cached_tokens"] == public  # B: the system prompt only
+    assert other["blended_tokens"] == other["recomputed_tokens"] == 0  # nor A's source bodies
 
 
 def test_a_full_generation_queue_answers_429_with_retry_after(tenants):
@@ -108,3 +109,30 @@ def test_another_tenants_chunk_ids_in_history_are_not_found(tenants):
     stolen = b.post("/v1/query", json=body)
     assert stolen.status_code == 404
     assert "no longer exists" in stolen.json()["detail"]
+
+
+def test_known_sources_are_reused_at_new_positions_until_their_document_goes(tenants):
+    a, _, state = tenants
+    docs = {d["title"]: d["id"] for d in a.get("/v1/documents").json()["items"]}
+    ids = sorted(docs.values())
+    assert len(ids) >= 3
+
+    def ask_over(document_ids: list[int]) -> dict:
+        body = {"question": QUESTION, "max_tokens": 2, "document_ids": document_ids}
+        response = a.post("/v1/query", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    ask_over(ids[1:3])  # lays out the second and third documents' chunks
+    # the third document's chunks now follow the first's: a new position, reused by blending
+    moved = ask_over([ids[0], ids[2]])
+    usage = moved["usage"]
+    third = [c for c in moved["citations"] if c["document_id"] == ids[2]]
+    assert third and usage["blended_tokens"] + usage["recomputed_tokens"] > 0
+    engine = state.llm.engine.engine
+    tag = f"doc:{ids[2]}"
+    assert any(tag in entry.tags for entry in engine.scheduler.chunks.entries())
+    assert a.delete(f"/v1/documents/{ids[2]}").status_code == 204
+    assert not any(tag in entry.tags for entry in engine.scheduler.chunks.entries())
+    again = ask_over([ids[0], ids[1]])
+    assert all(c["document_id"] != ids[2] for c in again["citations"])
