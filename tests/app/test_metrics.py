@@ -89,6 +89,28 @@ def test_cache_and_block_series_match_the_engine(client: TestClient):
     assert value(samples, "prefixrag_kv_blocks", state="pinned") > 0
 
 
+def test_chunk_store_series_match_the_engine(client: TestClient):
+    # a question lays out source bodies, which the chunk store keeps for later questions
+    out = client.post("/v1/query", json={"question": "What guides ships?", "max_tokens": 2})
+    assert out.status_code == 200
+    samples = scrape(client)
+    stats = app_state(client).llm.engine.stats()  # type: ignore[union-attr]
+    assert stats["chunk_entries"] > 0
+    assert value(samples, "prefixrag_chunk_store_entries", tier="pool") == stats["chunk_entries"]
+    held = value(samples, "prefixrag_chunk_store_bytes", tier="pool")
+    assert held == stats["chunk_pool_bytes"] > 0
+    assert (
+        value(samples, "prefixrag_chunk_store_lookups_total", result="hit_pool")
+        == stats["chunk_hits"]
+    )
+    assert (
+        value(samples, "prefixrag_chunk_store_evictions_total", tier="pool")
+        == stats["chunk_evictions"]
+    )
+    blended = value(samples, "prefixrag_chunk_reuse_tokens_total", kind="blended")
+    assert blended == stats["blended_tokens"]
+
+
 def test_documents_and_chunks_by_status_come_from_the_database(client: TestClient):
     sessions = app_state(client).sessions
     assert sessions is not None

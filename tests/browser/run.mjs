@@ -123,6 +123,8 @@ async function checkCitationsAndStats(turn, title) {
   const ttft = await turn.locator("[data-stat=ttft]").innerText();
   check(/^\d+ of \d+ \(\d+%\)$/.test(cached), `cached tokens are shown, got ${JSON.stringify(cached)}`);
   check(/^[\d.]+ (ms|s)$/.test(ttft), `TTFT is shown, got ${JSON.stringify(ttft)}`);
+  const reused = await turn.locator("[data-stat=reused]").innerText();
+  check(/^\d+% \(\d+ blended, \d+ recomputed\)$/.test(reused), `the reused share is shown, got ${JSON.stringify(reused)}`);
   console.log(`${await citations.count()} citations; cached ${cached}; TTFT ${ttft}`);
 }
 
