@@ -126,8 +126,22 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], *, has_output_weight: bool) -> ModelConfig:
-        """Build from GGUF key/values (``llama.block_count`` and friends)."""
+    def from_gguf_metadata(
+        cls,
+        meta: dict[str, Any],
+        *,
+        has_output_weight: bool,
+        token_count: int | None = None,
+        embedding_rows: int | None = None,
+    ) -> ModelConfig:
+        """Build from GGUF key/values (``llama.block_count`` and friends).
+
+        Optional keys are derived as llama.cpp derives them. The vocabulary size is
+        ``<arch>.vocab_size``, else the length of ``tokenizer.ggml.tokens`` (taken from ``meta``
+        when it holds the list, else ``token_count``), else ``embedding_rows``, the row count of
+        ``token_embd.weight``. :func:`engine.weights.gguf_loader.gguf_model_config` fills the
+        last two from the file.
+        """
         arch = str(meta.get("general.architecture", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}")
@@ -140,13 +154,19 @@ class ModelConfig:
 
         hidden = int(key("embedding_length"))
         num_heads = int(key("attention.head_count"))
-        head_dim = int(key("rope.dimension_count", hidden // num_heads))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-        scaling_type = str(meta.get(f"{arch}.rope.scaling.type", "none"))
-        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-        scaling = (
-            RopeScaling(rope_type="linear", factor=factor) if scaling_type == "linear" else None
-        )
+        # llama.cpp: the head size is attention.key_length, else embedding_length / head_count;
+        # rope.dimension_count only says how much of it rotates (all of it, by default).
+        head_dim = int(key("attention.key_length", hidden // max(num_heads, 1)))
+        value_dim = int(key("attention.value_length", head_dim))
+        rotary_dim = int(key("rope.dimension_count", head_dim))
+        if value_dim != head_dim:
+            raise ValueError(f"key length {head_dim} != value length {value_dim} is not supported")
+        if rotary_dim != head_dim:
+            raise ValueError(f"partial rotary ({rotary_dim} of {head_dim} dims) is not supported")
+        max_pos = int(key("context_length", _DEFAULT_CONTEXT_LENGTH))
+        window = meta.get(f"{arch}.attention.sliding_window")
+        if window and arch == "mistral":  # same cap as from_hf_config: no sliding window here
+            max_pos = min(max_pos, int(window))
         return cls(
             architecture=arch,
             num_layers=int(key("block_count")),
@@ -155,14 +175,53 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(key("attention.head_count_kv", num_heads)),
             head_dim=head_dim,
-            vocab_size=int(vocab),
-            max_position_embeddings=int(key("context_length")),
+            vocab_size=_gguf_vocab_size(meta, arch, token_count, embedding_rows),
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=scaling or RopeScaling(),
+            rope_scaling=_rope_scaling_from_gguf(meta, arch),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
         )
+
+
+# llama.cpp refuses a file without <arch>.context_length; this is transformers' LlamaConfig
+# default (and from_hf_config's), a cap that errs short rather than past what was trained.
+_DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def _gguf_vocab_size(
+    meta: dict[str, Any], arch: str, token_count: int | None, embedding_rows: int | None
+) -> int:
+    # llama.cpp's order: the explicit key, then the token list. Real files often lack the key
+    # (the Qwen2.5 GGUFs do), and llama.cpp's converter pads the token list to the embedding's
+    # row count, so the list length is the model's vocabulary, padding included.
+    explicit = meta.get(f"{arch}.vocab_size")
+    if explicit is not None:
+        return int(explicit)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    if token_count is not None:
+        return int(token_count)
+    if embedding_rows is not None:
+        return int(embedding_rows)
+    raise ValueError(
+        f"GGUF file has no {arch}.vocab_size, no tokenizer.ggml.tokens and no token_embd.weight"
+    )
+
+
+def _rope_scaling_from_gguf(meta: dict[str, Any], arch: str) -> RopeScaling:
+    # llama.cpp reads a missing scaling type as "linear" and a missing (or zero) factor as 1, and
+    # still accepts the old rope.scale_linear key for the factor.
+    kind = str(meta.get(f"{arch}.rope.scaling.type", "linear"))
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    factor = float(factor or 1.0)
+    if kind == "linear" and factor != 1.0:
+        return RopeScaling(rope_type="linear", factor=factor)
+    # NOTE: other types (yarn, ...) are ignored, as before; llama3 scaling travels as a
+    # rope_freqs.weight tensor, not as keys.
+    return RopeScaling()
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling:

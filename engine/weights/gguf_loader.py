@@ -69,12 +69,43 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weight.shape))
 
 
+def gguf_array_length(reader: gguf.GGUFReader, key: str) -> int | None:
+    """Element count of an array field without decoding it, or None when the key is absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    # ReaderField.data holds one index into .parts per array element; .parts also holds the
+    # header (key, type, count) and, for strings, a length part per element, so len(parts) is
+    # not the element count.
+    return len(field.data)
+
+
+def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
+    """The model config of an open GGUF file, optional keys derived as llama.cpp does."""
+    meta = read_gguf_metadata(reader)
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    embedding = shapes.get("token_embd.weight")
+    # GGUF lists dims innermost first: token_embd is (hidden, vocab).
+    embedding_rows = embedding[1] if embedding is not None and len(embedding) == 2 else None
+    config = ModelConfig.from_gguf_metadata(
+        meta,
+        has_output_weight="output.weight" in shapes,
+        token_count=gguf_array_length(reader, "tokenizer.ggml.tokens"),
+        embedding_rows=embedding_rows,
+    )
+    if embedding_rows is not None and embedding_rows != config.vocab_size:
+        # llama.cpp refuses such a file too (wrong tensor shape); say which number disagrees.
+        raise ValueError(
+            f"token_embd.weight has {embedding_rows} rows but the GGUF metadata gives a "
+            f"vocabulary of {config.vocab_size}"
+        )
+    return config
+
+
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 HF-named tensors of a GGUF file (dequantized, rotary rows restored)."""
     reader = gguf.GGUFReader(path)
-    meta = read_gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf_metadata(meta, has_output_weight="output.weight" in names)
+    config = gguf_model_config(reader)
     # Only llama.cpp's *llama* converter permutes Q/K; qwen2 files keep HF order.
     is_permuted = config.architecture == "llama"
     tensors: dict[str, torch.Tensor] = {}
