@@ -194,6 +194,7 @@ class AsyncEngine:
                 self._dispatch(self.engine.step())
             except StepFailedError as exc:  # those requests fail; the others keep running
                 logger.exception("engine step failed; its requests were aborted")
+                self._dispatch(exc.events)  # what the step still produced for the others
                 self._fail(exc.seq_ids, exc)
             except Exception as exc:  # the engine's own state is suspect: fail everything
                 logger.exception("engine step failed outside the model; aborting all requests")

@@ -19,7 +19,7 @@ from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampler import Sampler
+from prefixrag.engine.sampler import Sampler, SamplingError
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixrag.engine.sequence import Sequence
@@ -42,11 +42,16 @@ class _Request:
 
 
 class StepFailedError(RuntimeError):
-    """The model failed on a step; the sequences in it were aborted, the engine goes on."""
+    """A step failed for the sequences ``seq_ids`` (all of the step when the model failed, only
+    some when sampling failed for them); those were aborted, the engine goes on. ``events`` is
+    what the step produced for the others, which the caller must still deliver."""
 
-    def __init__(self, cause: BaseException, seq_ids: list[int]) -> None:
+    def __init__(
+        self, cause: BaseException, seq_ids: list[int], events: list[StepEvent] | None = None
+    ) -> None:
         super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
         self.seq_ids = seq_ids
+        self.events = events or []
 
 
 @dataclass(slots=True)
@@ -189,19 +194,26 @@ class LLMEngine:
         if not out.seqs:
             return events
         sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
+        unsampled: SamplingError | None = None
         try:
             token_ids = self._forward(out, sampled_seqs)
+        except SamplingError as exc:  # per request: the model ran, only these rows got no token
+            unsampled, token_ids = exc, exc.token_ids
         except Exception as exc:
             # Keep the engine consistent: drop the step, abort what was in it, report it.
             self.scheduler.discard(out)
             seq_ids = [item.seq.seq_id for item in out.seqs]
             for seq_id in seq_ids:
                 self.abort(seq_id)
-            raise StepFailedError(exc, seq_ids) from exc
+            raise StepFailedError(exc, seq_ids, events) from exc
         try:
             self._capture_chunks(out)
         except Exception:  # keeping bodies for later is an optimization: never fail a request
             logger.exception("could not keep this step's source bodies in the chunk store")
+        if unsampled is not None:
+            # After the capture (their KV is sound), before postprocess, which then skips them.
+            for seq_id in unsampled.seq_ids:
+                self.abort(seq_id)
         finished = self.scheduler.postprocess(out, token_ids)
         now = time.monotonic()
         for seq, token_id in zip(sampled_seqs, token_ids, strict=True):
@@ -212,6 +224,8 @@ class LLMEngine:
             req = self._requests.get(seq.seq_id)
             if req is not None:
                 events.extend(self._finish(req, seq.finish_reason or "stop"))
+        if unsampled is not None:
+            raise StepFailedError(unsampled, unsampled.seq_ids, events) from unsampled
         return events
 
     def generate(

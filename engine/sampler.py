@@ -8,16 +8,49 @@ import torch
 
 from prefixrag.engine.sampling_params import SamplingParams
 
+# Stands in for the token of a row that could not be sampled; never a real token id.
+FAILED_TOKEN = -1
+
+
+class SamplingError(RuntimeError):
+    """Some rows of a batch could not be sampled; every other row was.
+
+    ``errors`` maps each failed seq id to its cause. ``token_ids`` has one entry per row, the
+    sampled token or :data:`FAILED_TOKEN`, so the caller can go on with the other sequences
+    without sampling them again (which would advance their seeded streams a second time).
+    """
+
+    def __init__(self, token_ids: list[int], errors: dict[int, Exception]) -> None:
+        causes = "; ".join(f"seq {i}: {type(e).__name__}: {e}" for i, e in errors.items())
+        super().__init__(f"sampling failed for {causes}")
+        self.token_ids = token_ids
+        self.errors = errors
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """The sequences that got no token."""
+        return list(self.errors)
+
+
+def new_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``. ``torch.multinomial`` only takes one that
+    lives where the probabilities do, and a seed gives the same stream on a given device."""
+    return torch.Generator(device=device).manual_seed(seed)
+
 
 class Sampler:
     """Greedy rows are an argmax; the others go through temperature, top-k and top-p.
 
-    A seeded request owns a ``torch.Generator`` that advances with every token it samples, so the
-    same seed gives the same output whatever else is in the batch.
+    A seeded request owns a ``torch.Generator`` per device its logits come from (made on first
+    use), which advances with every token it samples, so the same seed gives the same output
+    whatever else is in the batch.
+
+    A row that fails (bad parameters, non-finite probabilities) costs only its own sequence:
+    :meth:`sample` samples the other rows, then raises :class:`SamplingError` naming it.
     """
 
     def __init__(self) -> None:
-        self._generators: dict[int, torch.Generator] = {}
+        self._generators: dict[int, dict[torch.device, torch.Generator]] = {}
 
     def sample(
         self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
@@ -26,9 +59,16 @@ class Sampler:
         if logits.shape[0] != len(params) or len(seq_ids) != len(params):
             raise ValueError("one row of logits, one seq id and one SamplingParams per sequence")
         token_ids = torch.argmax(logits, dim=-1).tolist()
+        errors: dict[int, Exception] = {}
         for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
             if p.temperature > 0:
-                token_ids[row] = self._sample_row(logits[row], seq_id, p)
+                try:
+                    token_ids[row] = self._sample_row(logits[row], seq_id, p)
+                except Exception as exc:  # this request's own failure: the other rows go on
+                    token_ids[row] = FAILED_TOKEN
+                    errors[seq_id] = exc
+        if errors:
+            raise SamplingError(token_ids, errors)
         return token_ids
 
     def release(self, seq_id: int) -> None:
@@ -43,15 +83,19 @@ class Sampler:
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             probs = _top_p_filter(probs, p.top_p)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq_id, p)).item())
+        generator = self._generator(seq_id, p, probs.device)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
 
-    def _generator(self, seq_id: int, p: SamplingParams) -> torch.Generator | None:
+    def _generator(
+        self, seq_id: int, p: SamplingParams, device: torch.device
+    ) -> torch.Generator | None:
         if p.seed is None:
             return None
-        gen = self._generators.get(seq_id)
+        per_device = self._generators.setdefault(seq_id, {})
+        gen = per_device.get(device)
         if gen is None:
-            gen = torch.Generator().manual_seed(p.seed)
-            self._generators[seq_id] = gen
+            gen = new_generator(device, p.seed)
+            per_device[device] = gen
         return gen
 
 

@@ -18,6 +18,7 @@ from prefixrag.kernels._checks import (
     check_same_device,
 )
 from prefixrag.kernels._paged import gather_kv
+from prefixrag.kernels._precision import dot_precision
 
 
 def _check_extend_args(
@@ -139,6 +140,7 @@ def _extend_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -177,7 +179,7 @@ def _extend_attention_kernel(
         )
         k = tl.load(k_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         is_visible = is_key[None, :] & (offs_pos[None, :] <= query_pos[:, None])
         scores = tl.where(is_visible, scores, float("-inf"))
         # The first tile holds key 0, visible to every row, so row_max is finite from then on.
@@ -185,7 +187,7 @@ def _extend_attention_kernel(
         alpha = tl.exp2(row_max - m_new)
         p = tl.exp2(scores - m_new[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = m_new
 
     o = acc / row_sum[:, None]
@@ -202,12 +204,19 @@ def extend_attention(
     extend_lens: torch.Tensor,
     cu_extend: torch.Tensor,
     scale: float,
+    *,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """Triton: the attention of :func:`extend_attention_reference` for a packed batch.
 
     One program per (query tile, query head, sequence) streams that sequence's prefix and new keys
     through its block table with an online softmax. The lengths must agree with each other and
     the table must cover prefix_lens + extend_lens; that is not checked on the device.
+
+    The grid is sized by the longest extend, read from ``extend_lens`` with one device sync
+    unless the caller passes it as ``max_extend_len`` (e.g. from
+    :attr:`AttentionMetadata.extend_lens_host`, once per step instead of once per layer). It is
+    then trusted: a smaller value leaves the tail of longer extends uncomputed.
     """
     _check_extend_args(q, k_cache, v_cache, block_tables, prefix_lens, extend_lens, cu_extend)
     _, block_size, _, head_dim = k_cache.shape
@@ -223,9 +232,12 @@ def extend_attention(
         return out
     on_gpu = q.device.type == "cuda"
     block_m = 64 if on_gpu else 16
-    # One host sync sizes the grid; tiles past a sequence's own length exit at once.
-    max_extend = int(extend_lens.max())
-    grid = (triton.cdiv(max_extend, block_m), num_q_heads, batch)
+    # The grid covers the longest extend; tiles past a sequence's own length exit at once.
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max())  # a host sync
+    elif max_extend_len < 0:
+        raise ValueError(f"max_extend_len must be >= 0, got {max_extend_len}")
+    grid = (triton.cdiv(max_extend_len, block_m), num_q_heads, batch)
     _extend_attention_kernel[grid](
         q,
         k_cache,
@@ -249,6 +261,7 @@ def extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=64 if on_gpu else 16,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4 if head_dim <= 64 else 8,
         num_stages=2,
     )

@@ -18,6 +18,7 @@ from prefixrag.kernels._checks import (
     check_same_device,
 )
 from prefixrag.kernels._paged import gather_kv
+from prefixrag.kernels._precision import dot_precision
 
 
 def _check_decode_args(
@@ -114,6 +115,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -151,13 +153,13 @@ def _paged_decode_kernel(
         )
         k = tl.load(k_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(is_key[None, :], scores, float("-inf"))
         m_new = tl.maximum(row_max, tl.max(scores, axis=1))
         alpha = tl.exp2(row_max - m_new)
         p = tl.exp2(scores - m_new[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = m_new
 
     out_rows = out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
@@ -300,6 +302,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if q.device.type == "cuda" else 16,
         IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
     )
     if is_split:
         _paged_decode_reduce_kernel[(batch, num_q_heads)](

@@ -23,6 +23,7 @@ from prefixrag.kernels._checks import (
     check_same_device,
 )
 from prefixrag.kernels._paged import gather_kv
+from prefixrag.kernels._precision import dot_precision
 
 
 def _check_scattered_args(
@@ -127,6 +128,7 @@ def _scattered_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -163,7 +165,7 @@ def _scattered_attention_kernel(
         )
         k = tl.load(k_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs_kv, mask=is_key[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         # offs_pos <= query_pos < end, so the causal test also hides keys past the tile's end.
         is_visible = offs_pos[None, :] <= query_pos[:, None]
         scores = tl.where(is_visible, scores, float("-inf"))
@@ -171,7 +173,7 @@ def _scattered_attention_kernel(
         alpha = tl.exp2(row_max - m_new)
         p = tl.exp2(scores - m_new[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = m_new
 
     o = acc / row_sum[:, None]
@@ -241,6 +243,7 @@ def scattered_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=64 if on_gpu else 16,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4 if head_dim <= 64 else 8,
         num_stages=2,
     )

@@ -17,6 +17,7 @@ class KernelAttention:
         from prefixrag.kernels import extend_attention, kv_write, paged_decode, rms_norm, rope
 
         self.kernel_modules = (extend_attention, kv_write, paged_decode, rms_norm, rope)
+        self._use_triton = use_triton
         if use_triton:
             self._write_kv = kv_write.write_kv
             self._decode = paged_decode.paged_decode_attention
@@ -54,6 +55,9 @@ class KernelAttention:
                 meta.decode_seq_lens,
                 meta.scale,
             )
+        # The Triton kernel sizes its grid by the longest extend: from the host copy of the
+        # lengths it needs no device sync, in every layer of the step.
+        host = {"max_extend_len": max(meta.extend_lens_host)} if self._use_triton else {}
         out[num_decode:] = self._extend(
             q[num_decode:],
             k_cache,
@@ -63,5 +67,6 @@ class KernelAttention:
             meta.extend_lens,
             meta.cu_extend,
             meta.scale,
+            **host,
         )
         return out

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from prefixrag.engine.sampler import Sampler
+from prefixrag.engine import sampler as sampler_module
+from prefixrag.engine.sampler import FAILED_TOKEN, Sampler, SamplingError, new_generator
 from prefixrag.engine.sampling_params import SamplingParams
 
 
@@ -72,3 +74,67 @@ def test_temperature_sampling_follows_the_softmax():
         s.release(0)
     # 4 sigma of a binomial at n=4000 is under 0.032 for every probability
     assert torch.allclose(counts / n, expected, atol=0.035)
+
+
+def test_seeded_generator_is_made_on_the_logits_device(monkeypatch):
+    # torch.multinomial takes only a generator on the probabilities' device (a CPU generator
+    # with CUDA logits raises), so the sampler must ask for one where the logits are.
+    made = []
+
+    def recording(device, seed):
+        gen = new_generator(device, seed)
+        made.append((device, seed, gen.device))
+        return gen
+
+    monkeypatch.setattr(sampler_module, "new_generator", recording)
+    x = logits(rows=2, vocab=300)
+    s = Sampler()
+    params = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0.8)]
+    first = [s.sample(x, [4, 5], params)[0] for _ in range(6)]
+    # one generator for the seeded row only, made once, then advanced in place
+    assert made == [(x.device, 11, x.device)]
+    s.release(4)
+    again = [s.sample(x, [4, 5], params)[0] for _ in range(6)]
+    assert first == again and len(made) == 2
+
+
+def test_new_generator_is_on_the_device_with_the_usual_stream():
+    gen = new_generator(torch.device("cpu"), 123)
+    assert gen.device == torch.device("cpu")
+    # the same stream as a default CPU generator seeded alike: seeds keep their old outputs
+    expected = torch.rand(5, generator=torch.Generator().manual_seed(123))
+    assert torch.equal(torch.rand(5, generator=gen), expected)
+
+
+def test_a_failing_row_costs_only_its_own_sequence():
+    x = logits(rows=4, vocab=200)
+    good = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0)]
+    # non-finite probabilities (logits / 1e-300 overflow), and a seed torch cannot take
+    bad = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, seed=2**70)]
+    expected = Sampler().sample(x[[0, 2]], [10, 12], good)
+    s = Sampler()
+    with pytest.raises(SamplingError, match=r"seq 11.*seq 13") as info:
+        s.sample(x, [10, 11, 12, 13], [good[0], bad[0], good[1], bad[1]])
+    err = info.value
+    assert err.seq_ids == [11, 13]
+    assert err.token_ids == [expected[0], FAILED_TOKEN, expected[1], FAILED_TOKEN]
+    # the good seeded row advanced exactly once: its next draw is the stream's second
+    alone = Sampler()
+    alone.sample(x[[0]], [10], [good[0]])
+    assert s.sample(x[[0]], [10], [good[0]]) == alone.sample(x[[0]], [10], [good[0]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_sampling_on_cuda():
+    x = logits(rows=3, vocab=1000).cuda()
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    other = SamplingParams(temperature=1.0)
+    runs = []
+    for _ in range(2):
+        s = Sampler()
+        runs.append([s.sample(x, [0, 1, 2], [seeded, other, seeded]) for _ in range(4)])
+        gens = [g for per_device in s._generators.values() for g in per_device.values()]
+        assert gens and all(g.device == x.device for g in gens)
+    # same seed, same stream on this device; rows 0 and 2 share the seed, not the generator
+    assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]] == [r[2] for r in runs[0]]

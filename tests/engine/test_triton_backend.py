@@ -11,6 +11,7 @@ from bench.kernels_engine import synthetic_tokenizer
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.attention.cpu_backend import NativeAttention
 from prefixrag.engine.attention.factory import make_backend
+from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
 from prefixrag.engine.attention.triton_backend import KernelAttention
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
@@ -161,3 +162,35 @@ def _assert_within_bf16_noise(out: dict[str, list[torch.Tensor]]) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_triton_bf16_logits_match_torch_bf16_on_cuda(request):
     _assert_within_bf16_noise(_bf16_runs(request, "cuda", "triton"))
+
+
+def test_extend_gets_its_grid_size_from_the_host_lengths(monkeypatch):
+    # The Triton extend kernel would otherwise read extend_lens back from the device in every
+    # layer; the references take no such argument.
+    backends = {kind: KernelAttention(use_triton=kind == "triton") for kind in ("triton", "ref")}
+    calls: dict[str, list[dict]] = {kind: [] for kind in backends}
+    for kind, backend in backends.items():
+        real = backend._extend
+
+        def recording(*args, _real=real, _calls=calls[kind], **kwargs):
+            _calls.append(kwargs)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "_extend", recording)
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 16
+    decodes = [SeqSpan(5, 1, [3, 0])]
+    extends = [SeqSpan(2, 7, [1, 4, 6]), SeqSpan(0, 3, [2])]
+    meta = build_attention_metadata(
+        decodes, extends, block_size=block_size, scale=0.25, device="cpu"
+    )
+    gen = torch.Generator().manual_seed(0)
+    num_tokens = 1 + 7 + 3
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    caches = [torch.randn(8, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)]
+    out = {
+        kind: backend.forward(q, k, v, *(c.clone() for c in caches), meta)
+        for kind, backend in backends.items()
+    }
+    assert calls == {"triton": [{"max_extend_len": 7}], "ref": [{}]}
+    torch.testing.assert_close(out["triton"], out["ref"], atol=2e-5, rtol=2e-5)

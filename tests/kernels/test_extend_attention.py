@@ -119,3 +119,37 @@ def test_gpu_large(dtype):
     batch, q, lengths = _extend_case(pairs, 32, 8, 128, 16, "cuda", dtype)
     args = _args(batch, q, lengths, 128**-0.5)
     assert_close(extend_attention(*args), extend_attention_reference(*args), dtype)
+
+
+@pytest.mark.parametrize("pairs", COMPOSITIONS.values(), ids=COMPOSITIONS.keys())
+def test_host_max_extend_len_gives_identical_output(device, pairs, monkeypatch):
+    batch, q, lengths = _extend_case(pairs, 6, 2, 64, 8, device, torch.float32)
+    args = _args(batch, q, lengths, 0.125)
+    synced = extend_attention(*args)
+
+    def no_sync(*_args, **_kwargs):
+        raise AssertionError("extend_lens was read on the host")
+
+    # With the host value the wrapper never reads extend_lens back (one sync per layer).
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "max", no_sync)
+        host = extend_attention(*args, max_extend_len=max(e for _, e in pairs))
+    assert torch.equal(host, synced)
+    with pytest.raises(ValueError, match="max_extend_len"):
+        extend_attention(*args, max_extend_len=-1)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_host_max_extend_len_needs_no_sync_on_gpu():
+    pairs = COMPOSITIONS["mixed_long_new"]
+    batch, q, lengths = _extend_case(pairs, 8, 2, 128, 16, "cuda", torch.bfloat16)
+    args = _args(batch, q, lengths, 128**-0.5)
+    expected = extend_attention(*args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = extend_attention(*args, max_extend_len=max(e for _, e in pairs))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected)
