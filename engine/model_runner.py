@@ -30,7 +30,12 @@ from prefixrag.engine.blend import (
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
-from prefixrag.engine.quant import quantize_model_, resolve_weight_quant, use_block_weights_
+from prefixrag.engine.quant import (
+    keep_dense_block_weights_,
+    quantize_model_,
+    resolve_weight_quant,
+    use_block_weights_,
+)
 from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
 from prefixrag.engine.weights import load_checkpoint
@@ -38,6 +43,8 @@ from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+# float32 copies of GGUF block weights for prefill matmuls, when the whole model fits in this
+DEFAULT_DENSE_PREFILL_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -108,6 +115,7 @@ class ModelRunner:
         cache_dir: str | Path | None = None,
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
+        dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
     ) -> None:
         self.model_path = str(model_path)
         self.cache_dir = cache_dir
@@ -125,6 +133,7 @@ class ModelRunner:
             backend=backend,
             max_model_len=max_model_len,
             gpu_memory_fraction=gpu_memory_fraction,
+            dense_prefill_bytes=dense_prefill_bytes,
         )
 
     @classmethod
@@ -181,6 +190,7 @@ class ModelRunner:
         max_model_len: int | None,
         gpu_memory_fraction: float,
         seed: int = 0,
+        dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -193,6 +203,10 @@ class ModelRunner:
         )
         self.block_size = block_size
         self.model_config: ModelConfig = config
+        self.dense_prefill_bytes = dense_prefill_bytes
+        self.dense_weight_bytes = (
+            0  # kept beside GGUF block weights (see keep_dense_block_weights_)
+        )
         self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
         # The backend comes first: a kernel backend also decides the model's norm and RoPE ops.
         self.backend = make_backend(backend, self.device, self.dtype)
@@ -236,6 +250,7 @@ class ModelRunner:
                     f"weight_quant gguf needs a .gguf checkpoint, not {self.model_path}"
                 )
             use_block_weights_(model, load_gguf_block_weights(self.model_path, config))
+            self.dense_weight_bytes = keep_dense_block_weights_(model, self.dense_prefill_bytes)
         if self.weight_quant == "int8":
             quantize_model_(model)
         return model

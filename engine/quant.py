@@ -111,7 +111,8 @@ def linear(
         if rows <= BLOCK_KERNEL_MAX_ROWS:
             out = block_quant_matmul(x, weight)
         else:
-            out = F.linear(x, block_quant_dequantize(weight))
+            dense = weight.dense if weight.dense is not None else block_quant_dequantize(weight)
+            out = F.linear(x, dense)
         return out if bias is None else out + bias
     if isinstance(weight, Int8Weight):
         out = weight.matmul(x)
@@ -176,6 +177,28 @@ def _swap(module: nn.Module, name: str) -> None:
     weight = getattr(module, name)
     delattr(module, name)
     setattr(module, name, Int8Weight(weight.detach()))
+
+
+def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
+    """Keep the float32 matrix beside every block weight of ``model`` if all of them fit in
+    ``max_bytes``; returns the bytes kept (0 when they do not fit).
+
+    A prefill-sized matmul otherwise dequantizes each matrix again on every forward: a fixed
+    cost per step that no prefix or chunk reuse can remove, and the larger share of a short
+    prefill's time. Decode keeps reading the blocks (a fifth of the bytes).
+    """
+    weights = [
+        value
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, BlockQuantWeight)
+    ]
+    total = sum(w.shape[0] * w.shape[1] * 4 for w in weights)
+    if not weights or total > max_bytes:
+        return 0
+    for weight in weights:
+        weight.dense = block_quant_dequantize(weight)
+    return total
 
 
 def use_block_weights_(model: nn.Module, blocks: dict[str, BlockQuantWeight]) -> None:

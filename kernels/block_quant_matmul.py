@@ -14,7 +14,7 @@ is the reference.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ class BlockQuantWeight:
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    # the float32 matrix, kept by the engine for prefill-sized matmuls when memory allows
+    dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND:
