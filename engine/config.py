@@ -61,7 +61,7 @@ class EngineConfig:
     cache_dir: str | None = None
     max_model_len: int | None = None
     enable_chunk_reuse: bool = True
-    chunk_recompute_fraction: float = 0.15
+    chunk_recompute_fraction: float = 0.3
     chunk_select_layer: int = 1
     chunk_host_bytes: int = 1 << 30
     chunk_disk_dir: str | None = None

@@ -78,12 +78,14 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     room = llm.max_model_len - max_tokens
     ranked = [to_source(hit) for hit in hits]
     scope = CacheScope(namespace=tenant, num_public_tokens=len(pipeline.prompts.stable_ids))
+    # Following the cached prefix is part of chunk reuse: with it off, today's prompts exactly.
+    follow_cache = settings.chunk_reuse and settings.prefix_cache
     prompt = pipeline.prompts.build(
         query.question,
         ranked,
         max_prompt_tokens=room,
         history=history,
-        cached_prefix_len=lambda ids: llm.cached_prefix_len(ids, scope),
+        cached_prefix_len=(lambda ids: llm.cached_prefix_len(ids, scope)) if follow_cache else None,
     )
     return PreparedAnswer(prompt, params, timings, started, tenant)
 
