@@ -24,7 +24,7 @@ LOCK_ARGS ?= --upgrade
 
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install lock run test test-all lint format typecheck bench clean
+.PHONY: install lock run test test-all lint format typecheck bench bench-peers clean
 
 $(STAMP): pyproject.toml $(DEV_LOCK) $(MODELS_LOCK)
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -65,6 +65,17 @@ format: install
 
 typecheck: install
 	$(VENV)/bin/mypy
+
+# bench/engine_bench.py's llama.cpp peer, in a venv of its own that the service never imports:
+# llama-cpp-python compiled from source (about 15 minutes on 2 cores), once per script change.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP): bench/setup_peers.sh
+	PEERS_VENV=$(PEERS_VENV) bash bench/setup_peers.sh
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
