@@ -76,7 +76,11 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def _sample_row(self, row: torch.Tensor, seq_id: int, p: SamplingParams) -> int:
-        row = row.float() / p.temperature
+        # shifted so the largest logit is 0 first: a tiny temperature then sends the others to
+        # -inf (the greedy limit) instead of overflowing them all to inf, which softmax makes NaN
+        # (and float32 would round a temperature below ~1e-38 to 0, making 0 / 0)
+        row = row.float()
+        row = (row - row.max()) / max(p.temperature, 1e-20)
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

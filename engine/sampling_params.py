@@ -35,6 +35,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # what torch.Generator.manual_seed takes; a larger seed would fail at sampling
+            raise ValueError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):

@@ -106,13 +106,36 @@ def test_new_generator_is_on_the_device_with_the_usual_stream():
     assert torch.equal(torch.rand(5, generator=gen), expected)
 
 
+def test_a_tiny_temperature_is_the_greedy_limit_not_nan():
+    x = logits(rows=3, vocab=200)
+    got = Sampler().sample(x, [0, 1, 2], [SamplingParams(temperature=1e-300, seed=3)] * 3)
+    assert got == torch.argmax(x, dim=-1).tolist()
+
+
+def test_a_seed_torch_cannot_take_is_refused_up_front():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1.0, seed=2**70)
+
+
+class _FailingFor(Sampler):
+    """A sampler whose rows of the given seq ids fail (no real parameter makes one fail now)."""
+
+    def __init__(self, failing: set[int]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def _sample_row(self, row, seq_id, p):  # type: ignore[no-untyped-def]
+        if seq_id in self.failing:
+            raise RuntimeError("probability tensor contains nan")
+        return super()._sample_row(row, seq_id, p)
+
+
 def test_a_failing_row_costs_only_its_own_sequence():
     x = logits(rows=4, vocab=200)
     good = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0)]
-    # non-finite probabilities (logits / 1e-300 overflow), and a seed torch cannot take
-    bad = [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, seed=2**70)]
+    bad = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=5)]
     expected = Sampler().sample(x[[0, 2]], [10, 12], good)
-    s = Sampler()
+    s = _FailingFor({11, 13})
     with pytest.raises(SamplingError, match=r"seq 11.*seq 13") as info:
         s.sample(x, [10, 11, 12, 13], [good[0], bad[0], good[1], bad[1]])
     err = info.value
