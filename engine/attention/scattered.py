@@ -5,8 +5,9 @@ causally to every cached position up to its own.
 Mirrors :class:`AttentionBackend` (same ``forward``), with :class:`ScatteredMetadata` instead of
 :class:`AttentionMetadata`:
 
-- ``sdpa``: gathers the sequence's blocks once per layer and runs SDPA under a float mask built
-  once per step (CPU, any dtype);
+- ``sdpa``: gathers the sequence's blocks once per layer and runs SDPA over groups of query rows,
+  each over the keys up to its furthest position, under float masks built once per step (CPU,
+  any dtype);
 - ``triton``: the kernel of kernels/scattered_attention;
 - ``reference``: that kernel's plain-torch reference (slow, for checking).
 """
@@ -74,10 +75,18 @@ def build_scattered_metadata(
     )
 
 
+# Query rows per SDPA call. Each group reads keys only up to its own furthest position: the
+# queries come in position order, so the early groups skip most of the masked-out keys (about a
+# third less work than one call over kv_len, measured at 225 queries over 815 positions).
+ROW_GROUP = 64
+
+
 @dataclass(slots=True)
 class _SdpaPlan:
     blocks: torch.Tensor  # int64 [ceil(kv_len / block_size)]: the blocks any query reads
-    mask: torch.Tensor  # [N, kv_len] additive: 0 where visible, -inf past the query's position
+    # per group of query rows: (first row, end row, keys it reads, its additive mask [rows, keys]
+    # with 0 where visible and -inf past each query's position)
+    groups: list[tuple[int, int, int, torch.Tensor]]
 
 
 class ScatteredAttention:
@@ -144,14 +153,20 @@ class ScatteredAttention:
         # this copy is per layer; only the block list and the mask are shared.
         k_seq = k_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim)
         v_seq = v_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim)
-        o = sdpa_gqa(
-            q.transpose(0, 1).unsqueeze(0),  # [1, Hq, N, D]
-            k_seq[: meta.kv_len].transpose(0, 1).unsqueeze(0),  # [1, Hkv, kv_len, D]
-            v_seq[: meta.kv_len].transpose(0, 1).unsqueeze(0),
-            scale=meta.scale,
-            attn_mask=plan.mask,
-        )
-        return o[0].transpose(0, 1).contiguous()
+        q_heads = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, N, D]
+        k_heads = k_seq.transpose(0, 1).unsqueeze(0)  # [1, Hkv, slots, D]
+        v_heads = v_seq.transpose(0, 1).unsqueeze(0)
+        out = q.new_empty(q.shape)
+        for start, end, keys, mask in plan.groups:
+            o = sdpa_gqa(
+                q_heads[:, :, start:end],
+                k_heads[:, :, :keys],
+                v_heads[:, :, :keys],
+                scale=meta.scale,
+                attn_mask=mask,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+        return out
 
 
 def _sdpa_plan(meta: ScatteredMetadata, block_size: int, dtype: torch.dtype) -> _SdpaPlan:
@@ -160,10 +175,15 @@ def _sdpa_plan(meta: ScatteredMetadata, block_size: int, dtype: torch.dtype) -> 
     device = meta.q_positions.device
     num_blocks = -(-meta.kv_len // block_size)
     blocks = meta.block_table[:num_blocks].long()
-    visible = torch.arange(meta.kv_len, device=device) <= meta.q_positions.unsqueeze(1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
-    return _SdpaPlan(blocks, mask)
+    positions = meta.q_positions.tolist()
+    groups = []
+    for start in range(0, len(positions), ROW_GROUP):
+        end = min(start + ROW_GROUP, len(positions))
+        keys = max(positions[start:end]) + 1
+        visible = torch.arange(keys, device=device) <= meta.q_positions[start:end].unsqueeze(1)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        groups.append((start, end, keys, mask.masked_fill_(~visible, float("-inf"))))
+    return _SdpaPlan(blocks, groups)
 
 
 def make_scattered_attention(

@@ -10,9 +10,17 @@ import torch.nn.functional as F
 
 from prefixrag.engine.attention.metadata import AttentionMetadata
 
+# Rows of one SDPA call: an extend after a cached prefix runs in groups of this many q rows, each
+# over the keys up to its own last position, so the causal triangle's masked half is mostly
+# skipped instead of computed and thrown away (a cold prefill takes SDPA's causal path instead).
+ROW_GROUP = 64
+
+# a group of an extend's q rows: first and end row (relative to the extend), how many keys they
+# read, and their additive causal mask [rows, keys]
+RowGroup = tuple[int, int, int, torch.Tensor]
 # one extend: its q rows start:end, the cache blocks it attends over (None: no prefix, it attends
-# over its own new K/V) and its additive causal mask
-ExtendEntry = tuple[int, int, torch.Tensor | None, torch.Tensor | None]
+# over its own new K/V, causally) and its row groups (empty without a prefix)
+ExtendEntry = tuple[int, int, torch.Tensor | None, list[RowGroup]]
 
 
 def sdpa_gqa(
@@ -46,37 +54,51 @@ def extend_sdpa(
     # rows start:end of q attend over the cache blocks given (None: a fresh prefill over its
     # own new K/V), under an additive mask that hides the future and the last block's padding
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    for start, end, blocks, mask in extends:
+    for start, end, blocks, groups in extends:
         # [T, H, D] -> [1, H, T, D]
         q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
         if blocks is None:
-            k_seq, v_seq = k[start:end], v[start:end]
-        else:
-            # whole blocks, as in decode: one contiguous copy each instead of one per slot
-            k_seq = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
-            v_seq = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
-        o = sdpa_gqa(
-            q_seq,
-            k_seq.transpose(0, 1).unsqueeze(0),
-            v_seq.transpose(0, 1).unsqueeze(0),
-            scale=scale,
-            attn_mask=mask,
-            is_causal=blocks is None,
-        )
-        out[start:end] = o[0].transpose(0, 1)
+            o = sdpa_gqa(
+                q_seq,
+                k[start:end].transpose(0, 1).unsqueeze(0),
+                v[start:end].transpose(0, 1).unsqueeze(0),
+                scale=scale,
+                is_causal=True,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+            continue
+        # whole blocks, as in decode: one contiguous copy each instead of one per slot
+        k_seq = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        v_seq = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        k_heads = k_seq.transpose(0, 1).unsqueeze(0)
+        v_heads = v_seq.transpose(0, 1).unsqueeze(0)
+        for lo, hi, keys, mask in groups:
+            o = sdpa_gqa(
+                q_seq[:, :, lo:hi],
+                k_heads[:, :, :keys],
+                v_heads[:, :, :keys],
+                scale=scale,
+                attn_mask=mask,
+            )
+            out[start + lo : start + hi] = o[0].transpose(0, 1)
 
 
 def _extend_entry(meta: AttentionMetadata, b: int, start: int, block_size: int) -> ExtendEntry:
-    # extend b's q rows, the cache blocks it attends over (None: no prefix) and its additive
-    # causal mask [n, blocks * block_size]; a float mask, built once per step, because SDPA
-    # would turn a boolean one into floats again in every layer
+    # extend b's q rows, the cache blocks it attends over (None: no prefix) and its row groups'
+    # additive causal masks; float masks, built once per step, because SDPA would turn a boolean
+    # one into floats again in every layer
     prefix, n = meta.extend_prefix_lens_host[b], meta.extend_lens_host[b]
     if not prefix:
-        return start, start + n, None, None
+        return start, start + n, None, []
     device = meta.slot_mapping.device
     num_blocks = -(-(prefix + n) // block_size)
     blocks = meta.extend_block_tables[b, :num_blocks].long()
-    q_pos = torch.arange(prefix, prefix + n, device=device)
-    visible = torch.arange(num_blocks * block_size, device=device) <= q_pos.unsqueeze(1)
-    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-    return start, start + n, blocks, mask
+    groups = []
+    for lo in range(0, n, ROW_GROUP):
+        hi = min(lo + ROW_GROUP, n)
+        keys = prefix + hi  # the group's last row sits at position prefix + hi - 1
+        q_pos = torch.arange(prefix + lo, prefix + hi, device=device)
+        visible = torch.arange(keys, device=device) <= q_pos.unsqueeze(1)
+        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        groups.append((lo, hi, keys, mask))
+    return start, start + n, blocks, groups
