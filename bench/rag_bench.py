@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
@@ -876,6 +877,9 @@ def parse_args() -> argparse.Namespace:
         "--parts", default="follow_up,new_questions,sweep", help="which workloads to run"
     )
     parser.add_argument("--quick", action="store_true", help="a ~5 minute smoke run")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads of every app (0: torch's default)"
+    )
     args = parser.parse_args()
     if args.quick:  # 2 pages, 2 questions of each kind a page, 2 fractions, 2 accuracy questions
         args.max_tokens, args.rounds, args.pages = 8, 2, 2
@@ -915,6 +919,9 @@ def chunked(items: list[Any], size: int) -> Iterable[list[Any]]:
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        # before any app starts: every engine of the run shares this process's thread pool
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     code_at_start = code_state()  # apps import the engine as they start: note what it was
     embedder = Embedder(packaged_embedder_path())
@@ -961,6 +968,8 @@ def main() -> None:
         "elapsed_s": time.perf_counter() - started,
         "phases": phases,
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
     }
     payload = {"config": config, **payload, "reuse_goals": goals}
     RESULTS.mkdir(exist_ok=True)
