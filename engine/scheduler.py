@@ -214,26 +214,37 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
-        # decode: one token per running sequence that is fully prefilled
+        # decode: one token per running sequence that is fully prefilled. This loop runs for
+        # every sequence on every step, so the common case (room left in the last block) builds
+        # its entry inline; a sequence that needs a block takes _add, preempting if it must.
         block_size = self.config.block_size
+        running = SequenceStatus.RUNNING
+        entries = out.seqs
         for seq in list(self._running.values()):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+            num_tokens = len(seq.token_ids)
+            if seq.status is not running or num_tokens - seq.num_computed_tokens != 1:
                 continue
-            has_room = len(seq.token_ids) <= len(seq.block_ids) * block_size
-            while not has_room and not self.blocks.can_grow(seq, seq.num_tokens):
+            budget -= 1
+            if num_tokens <= len(seq.block_ids) * block_size:
+                start = num_tokens - 1
+                entries.append(ScheduledSeq(seq, seq.token_ids[start:], start, seq.block_ids, True))
+                out.num_batched_tokens += 1
+                scheduled.add(seq.seq_id)
+                continue
+            while not self.blocks.can_grow(seq, num_tokens):
                 victim = self._newest_unscheduled(scheduled)
                 if victim is seq and not scheduled and self.num_running == 1:
-                    self._finish(
-                        seq, "length"
-                    )  # alone and still short: pinned blocks fill the pool
+                    # alone and still short: pinned blocks fill the pool
+                    self._finish(seq, "length")
                     out.finished.append(seq)
                     break
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is running:
                 self._add(out, seq, 1, scheduled)
-                budget -= 1
+            else:
+                budget += 1
         return budget
 
     def _schedule_prefill_chunks(
@@ -394,17 +405,23 @@ class Scheduler:
         self._in_flight = None
         finished: list[Sequence] = []
         sampled = iter(sampled_token_ids)
+        block_size = self.config.block_size
+        running = SequenceStatus.RUNNING
         for item in out.seqs:
             token_id = next(sampled) if item.do_sample else None
             seq = item.seq
-            self._drop_plan(seq)
-            if seq.status is not SequenceStatus.RUNNING:
+            if self._plans:
+                self._drop_plan(seq)
+            if seq.status is not running:
                 continue  # finished or aborted while the step ran
-            seq.num_computed_tokens += len(item.token_ids)
-            self.blocks.cache_full_blocks(seq)
+            n = len(item.token_ids)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            # a decode step fills a block only on its last slot: skip the tree otherwise
+            if n > 1 or computed % block_size == 0:
+                self.blocks.cache_full_blocks(seq)
             if token_id is None:
                 continue
-            seq.append_token(token_id)
+            seq.token_ids.append(token_id)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
@@ -417,7 +434,11 @@ class Scheduler:
             return "stop"
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+        num_tokens = len(seq.token_ids)
+        if (
+            num_tokens - seq.num_prompt_tokens >= params.max_tokens
+            or num_tokens >= self.max_seq_len
+        ):
             return "length"
         return None
 
