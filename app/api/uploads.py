@@ -6,7 +6,7 @@ size is checked where every document enters, in the ingest service."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,7 +34,7 @@ async def read_ingest_request(request: Request) -> IngestRequest:
     )
 
 
-async def _from_multipart(headers: Headers, stream: AsyncIterator[bytes]) -> IngestRequest:
+async def _from_multipart(headers: Headers, stream: AsyncGenerator[bytes, None]) -> IngestRequest:
     parser = MultiPartParser(
         headers, stream, max_files=1, max_fields=16, max_part_size=MAX_FIELD_BYTES
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sqlalchemy import Row, delete, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.models import Chunk, Document
@@ -99,7 +99,7 @@ def _embed_chunks(
 
 def iter_ready_chunks(
     *, sessions: sessionmaker[Session], columns: tuple[Any, ...], batch_size: int
-) -> Iterator[Sequence[Row[Any]]]:
+) -> Iterator[Sequence[Any]]:
     """Rows (id, *columns) of every ready chunk in id order, `batch_size` at a time.
 
     Keyset pagination (id > last id), so a large corpus is never loaded whole and no batch is
