@@ -95,6 +95,29 @@ class BuiltPrompt:
         return sorted(new + self.reused, key=lambda pair: pair[0])
 
 
+class _SourceTokens:
+    """Token ids of source headers and bodies, each encoded once per build: one build lays the
+    same sources out several times (fitting, cached-first ordering, spans)."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._bodies: dict[int, list[int]] = {}
+        self._headers: dict[tuple[int, int], list[int]] = {}
+
+    def body(self, source: Source) -> list[int]:
+        ids = self._bodies.get(source.chunk_id)
+        if ids is None:
+            ids = self._bodies[source.chunk_id] = self._tokenizer.encode(source_body(source))
+        return ids
+
+    def header(self, n: int, source: Source) -> list[int]:
+        key = (n, source.chunk_id)
+        ids = self._headers.get(key)
+        if ids is None:
+            ids = self._headers[key] = self._tokenizer.encode(source_header(n, source))
+        return ids
+
+
 class PromptBuilder:
     """Builds prompts whose first `len(stable_ids)` tokens never change.
 
@@ -145,7 +168,7 @@ class PromptBuilder:
             raise ValueError("the question is empty")
         turns = list(history or [])
         question_ids = self.tokenizer.encode(format_question(question) + self._closing)
-        cache: dict[int, list[int]] = {}
+        cache = _SourceTokens(self.tokenizer)
         num_dropped_turns, num_kept_sources = 0, len(ranked)
         while True:
             kept_turns = turns[num_dropped_turns:]
@@ -198,7 +221,7 @@ class PromptBuilder:
         return "".join([*parts, self._closing])
 
     def _history_ids(
-        self, turns: list[Turn], cache: dict[int, list[int]]
+        self, turns: list[Turn], cache: _SourceTokens
     ) -> tuple[list[int], dict[int, int]]:
         """Stable part and earlier turns as ids, and the number each laid-out chunk is cited by."""
         ids = list(self.stable_ids)
@@ -218,16 +241,14 @@ class PromptBuilder:
         return sorted(sources, key=lambda s: s.canonical_key)
 
     def _source_ids(
-        self, ordered: list[Source], first: int, body_ids: dict[int, list[int]], is_follow_up: bool
+        self, ordered: list[Source], first: int, cache: _SourceTokens, is_follow_up: bool
     ) -> list[int]:
         if not ordered:
             return self.tokenizer.encode(NO_NEW_SOURCES if is_follow_up else NO_SOURCES)
         ids: list[int] = []
         for n, source in enumerate(ordered, start=first):
-            ids += self.tokenizer.encode(source_header(n, source))
-            if source.chunk_id not in body_ids:
-                body_ids[source.chunk_id] = self.tokenizer.encode(source_body(source))
-            ids += body_ids[source.chunk_id]
+            ids += cache.header(n, source)
+            ids += cache.body(source)
         return ids
 
     def _cached_first(
@@ -235,7 +256,7 @@ class PromptBuilder:
         ordered: list[Source],
         head_ids: list[int],
         first: int,
-        body_ids: dict[int, list[int]],
+        cache: _SourceTokens,
         cached_prefix_len: Callable[[list[int]], int],
     ) -> list[Source]:
         """Canonical order with whole documents moved so the longest prefix is cached.
@@ -258,26 +279,26 @@ class PromptBuilder:
         while len(groups) > 1:
             best, best_reach = 0, reach
             for i, group in enumerate(groups):
-                candidate = ids + self._source_ids(group, first + len(placed), body_ids, False)
+                candidate = ids + self._source_ids(group, first + len(placed), cache, False)
                 got = cached_prefix_len(candidate)
                 if got > best_reach:
                     best, best_reach = i, got
             if best_reach <= reach:
                 break  # nothing extends the cached prefix: canonical from here
             group = groups.pop(best)
-            ids += self._source_ids(group, first + len(placed), body_ids, False)
+            ids += self._source_ids(group, first + len(placed), cache, False)
             placed += group
             reach = best_reach
         return placed + [s for group in groups for s in group]
 
     def _body_spans(
-        self, ordered: list[Source], first: int, body_ids: dict[int, list[int]], offset: int
+        self, ordered: list[Source], first: int, cache: _SourceTokens, offset: int
     ) -> list[tuple[int, int, int]]:
         # where each body lies once the sources follow `offset` tokens (see _source_ids)
         spans = []
         for n, source in enumerate(ordered, start=first):
-            offset += len(self.tokenizer.encode(source_header(n, source)))
-            length = len(body_ids[source.chunk_id])
+            offset += len(cache.header(n, source))
+            length = len(cache.body(source))
             spans.append((offset, length, source.document_id))
             offset += length
         return spans
