@@ -313,7 +313,12 @@ class ChunkStore:
 
     def drop_tag(self, namespace: str, tag: str) -> int:
         """Drop every entry of ``namespace`` tagged ``tag``; returns how many."""
-        doomed = [e for e in self._entries.values() if e.namespace == namespace and tag in e.tags]
+        # an entry already doomed (a step still reads it) was counted by the call that doomed it
+        doomed = [
+            e
+            for e in self._entries.values()
+            if e.namespace == namespace and tag in e.tags and not e.doomed
+        ]
         for entry in doomed:
             self.drop(entry)
         return len(doomed)
