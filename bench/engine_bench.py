@@ -15,7 +15,9 @@ Figures, each ours vs theirs:
 - cold TTFT of a 2,048-token prefix + 32 new tokens (empty cache), time to the first token;
 - warm TTFT: the same 2,048-token prefix cached, 32 other new tokens on top of it; warm/cold;
 - float32 only: aggregate tok/s of 8 concurrent requests, transformers batched (the 8 prompts
-  have equal length, so they are one batch with no padding).
+  have equal length, so they are one batch with no padding);
+- a RAG-sized prompt (272 + 560 tokens) with its first third cached, TTFT against the same
+  prompt cold: each side's own ratio, side by side.
 
 Every side samples greedily and only computes the last position's logits (logits_to_keep=1 for
 transformers, logits_all=False for llama.cpp). Decode tok/s is (N - 1) / the time from the first
@@ -69,6 +71,8 @@ SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 # Where in SOURCE_TEXT's tokens the prompts that are not the shared prefix start (the prefix and
 # its suffixes take the first ~2,100 + 32 per repeat).
 CONCURRENT_OFFSET, SHORT_OFFSET = 4000, 6000
+# the partly cached prompt (its head, then two different rests) sits between the two
+PARTIAL_OFFSET = 2400
 
 FULL = {
     "prefix_tokens": 2048,
@@ -77,6 +81,9 @@ FULL = {
     "decode_tokens": 64,
     "concurrency": 8,
     "concurrent_prompt_tokens": 64,
+    # a RAG-sized prompt whose first third is cached: 272 + 560 tokens
+    "partial_cached_tokens": 272,
+    "partial_new_tokens": 560,
     "repeats": 5,
 }
 # the quick suffix stays at 32: up to BLOCK_KERNEL_MAX_ROWS (16) rows the gguf matmuls take the
@@ -89,6 +96,8 @@ QUICK = {
     "decode_tokens": 8,
     "concurrency": 8,
     "concurrent_prompt_tokens": 32,
+    "partial_cached_tokens": 64,
+    "partial_new_tokens": 128,
     "repeats": 2,
 }
 # (key, label, unit, higher is better); the label's {} are filled from the sizes
@@ -99,6 +108,12 @@ METRICS = (
     ("warm_ttft_ms", "warm TTFT {prefix_tokens} cached+{suffix_tokens}", "ms", False),
     ("warm_over_cold", "warm/cold TTFT", "x", False),
     ("concurrent_tok_s", "{concurrency} concurrent (theirs batched)", "tok/s", True),
+    (
+        "partial_warm_over_cold",
+        "{partial_cached_tokens} cached+{partial_new_tokens} vs cold",
+        "x",
+        False,
+    ),
 )
 # within this relative margin a difference is called a tie: run-to-run noise on a shared machine
 TIE = 0.05
@@ -318,6 +333,7 @@ def start_llama_cpp(args: argparse.Namespace, sizes: dict, model: str) -> LlamaC
     if not python.is_file():
         return NOT_INSTALLED
     longest = sizes["prefix_tokens"] + max(sizes["suffix_tokens"], sizes["decode_tokens"])
+    longest = max(longest, sizes["partial_cached_tokens"] + sizes["partial_new_tokens"])
     n_ctx = -(-(longest + 64) // 256) * 256  # room for every prompt, in whole 256s
     try:
         return LlamaCpp(python, model, args.threads, n_ctx, args.llama_flash_attn)
@@ -392,12 +408,23 @@ def measure(sides: dict[str, dict[str, object]], prompts: dict, sizes: dict) -> 
         tok_s, ids = fn(prompts["concurrent"], n)
         return {"concurrent_tok_s": tok_s, "_tokens": ids}
 
+    def partial(side, r):
+        # the same prompt cold, then another with the same head cached: what a new question
+        # over a cached system prompt and first source costs against no cache at all
+        head, rest_a, rest_b = prompts["partial"]
+        pair = side.ttft_pair(head, rest_a, rest_b)
+        return {
+            "partial_cold_ttft_ms": pair["cold_ttft_ms"],
+            "partial_warm_ttft_ms": pair["warm_ttft_ms"],
+        }
+
     # the long decode right after the TTFT pair: every side still holds the prefix's KV
     figures: list[tuple[str, Callable]] = [
         ("ttft", ttft),
         ("decode_long", decode("decode_b1_long_tok_s", prefix)),
         ("decode_short", decode("decode_b1_short_tok_s", prompts["short"])),
         ("concurrent", concurrent),
+        ("partial", partial),
     ]
     plan = [
         (comparison, name, fn)
@@ -434,6 +461,13 @@ def summarize_metrics(samples: dict, theirs_missing: str | None) -> dict:
         if "cold_ttft_ms" in side:  # per repeat: its warm run reuses its own cold run's prefix
             side["warm_over_cold"] = [
                 w / c for w, c in zip(side["warm_ttft_ms"], side["cold_ttft_ms"], strict=True)
+            ]
+        if "partial_cold_ttft_ms" in side:
+            side["partial_warm_over_cold"] = [
+                w / c
+                for w, c in zip(
+                    side["partial_warm_ttft_ms"], side["partial_cold_ttft_ms"], strict=True
+                )
             ]
     for key, _, unit, higher in METRICS:
         if key not in ours_s:
@@ -577,8 +611,11 @@ def resolve_sizes(args: argparse.Namespace) -> dict:
     if sizes["decode_tokens"] < 2:
         raise SystemExit("--decode-tokens must be >= 2 (decode speed is timed after the first)")
     need = sizes["prefix_tokens"] + (sizes["repeats"] + 1) * sizes["suffix_tokens"]
-    if need > CONCURRENT_OFFSET:
-        raise SystemExit(f"prefix + suffixes need {need} corpus tokens, > {CONCURRENT_OFFSET}")
+    if need > PARTIAL_OFFSET:
+        raise SystemExit(f"prefix + suffixes need {need} corpus tokens, > {PARTIAL_OFFSET}")
+    partial = sizes["partial_cached_tokens"] + 2 * sizes["partial_new_tokens"]
+    if PARTIAL_OFFSET + partial > CONCURRENT_OFFSET:
+        raise SystemExit(f"the partly cached prompts need {partial} corpus tokens, > 1600")
     return sizes
 
 
@@ -647,6 +684,16 @@ def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model,
         "concurrent": [
             corpus_ids(gguf, sizes["concurrent_prompt_tokens"], CONCURRENT_OFFSET + i * 64)
             for i in range(sizes["concurrency"])
+        ],
+        "partial": [
+            corpus_ids(gguf, sizes["partial_cached_tokens"], PARTIAL_OFFSET),
+            *(
+                corpus_ids(gguf, sizes["partial_new_tokens"], PARTIAL_OFFSET + offset)
+                for offset in (
+                    sizes["partial_cached_tokens"],
+                    sizes["partial_cached_tokens"] + sizes["partial_new_tokens"],
+                )
+            ),
         ],
     }
     peer_missing = llama if isinstance(llama, str) else None
