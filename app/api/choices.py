@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 
-Item = GenerationDelta | GenerationResult
+Item: TypeAlias = GenerationDelta | GenerationResult
 # what a pump hands over: an item, the error that ended its stream, or None at its end
-_Message = tuple[int, Item | Exception | None]
+_Message: TypeAlias = tuple[int, Item | Exception | None]
 
 
 async def fan_out(streams: list[AsyncIterator[Item]]) -> AsyncIterator[tuple[int, Item]]:
