@@ -18,8 +18,8 @@ from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
 from prefixrag.engine.model_runner import ModelRunner, StepItem
-from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampler import Sampler, SamplingError
+from prefixrag.engine.outputs import GenerationDelta, GenerationResult, TokenLogprob
+from prefixrag.engine.sampler import Sampler, SamplerOutput, SamplingError
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixrag.engine.sequence import Sequence
@@ -39,6 +39,7 @@ class _Request:
     last_token_at: float | None = None
     stopped_on: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StepFailedError(RuntimeError):
@@ -136,6 +137,9 @@ class LLMEngine:
             )
         if prompt_token_ids and max(prompt_token_ids) >= self.runner.vocab_size:
             raise ValueError("prompt contains token ids outside the vocabulary")
+        if params.logit_bias and max(params.logit_bias) >= self.runner.vocab_size:
+            last = self.runner.vocab_size - 1
+            raise ValueError(f"logit_bias names token ids outside the vocabulary (0..{last})")
         seq_id = next(self._seq_ids)
         seq = Sequence(
             seq_id,
@@ -146,9 +150,14 @@ class LLMEngine:
             arrival_time=time.monotonic(),
         )
         self.scheduler.add(seq)
+        self.sampler.start(seq_id, prompt_token_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
         self._requests[seq_id] = _Request(
-            request_id or f"req-{seq_id}", seq, detok, seq.arrival_time
+            request_id or f"req-{seq_id}",
+            seq,
+            detok,
+            seq.arrival_time,
+            logprobs=[] if params.logprobs is not None else None,
         )
         return seq_id
 
@@ -196,9 +205,9 @@ class LLMEngine:
         sampled_seqs = [item.seq for item in out.seqs if item.do_sample]
         unsampled: SamplingError | None = None
         try:
-            token_ids = self._forward(out, sampled_seqs)
+            sampled = self._forward(out, sampled_seqs)
         except SamplingError as exc:  # per request: the model ran, only these rows got no token
-            unsampled, token_ids = exc, exc.token_ids
+            unsampled, sampled = exc, SamplerOutput(exc.token_ids, exc.logprobs)
         except Exception as exc:
             # Keep the engine consistent: drop the step, abort what was in it, report it.
             self.scheduler.discard(out)
@@ -214,12 +223,14 @@ class LLMEngine:
             # After the capture (their KV is sound), before postprocess, which then skips them.
             for seq_id in unsampled.seq_ids:
                 self.abort(seq_id)
-        finished = self.scheduler.postprocess(out, token_ids)
+        finished = self.scheduler.postprocess(out, sampled.token_ids)
         now = time.monotonic()
-        for seq, token_id in zip(sampled_seqs, token_ids, strict=True):
+        for seq, token_id, logprob in zip(
+            sampled_seqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
             req = self._requests.get(seq.seq_id)
             if req is not None:
-                events.extend(self._on_token(req, token_id, now))
+                events.extend(self._on_token(req, token_id, logprob, now))
         for seq in finished:
             req = self._requests.get(seq.seq_id)
             if req is not None:
@@ -283,7 +294,7 @@ class LLMEngine:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _forward(self, out: SchedulerOutput, sampled_seqs: list[Sequence]) -> list[int]:
+    def _forward(self, out: SchedulerOutput, sampled_seqs: list[Sequence]) -> SamplerOutput:
         plain = [s for s in out.seqs if s.reuse is None]
         rows: dict[int, torch.Tensor] = {}  # seq id -> its logits row
         if plain:
@@ -294,9 +305,9 @@ class LLMEngine:
             if s.reuse is not None:  # a blended prefill runs alone: its rows shrink mid-model
                 rows[s.seq.seq_id] = self._blend(s)
         if not sampled_seqs:
-            return []
+            return SamplerOutput([], [])
         logits = torch.stack([rows[seq.seq_id] for seq in sampled_seqs])
-        return self.sampler.sample(
+        return self.sampler.sample_with_logprobs(
             logits, [s.seq_id for s in sampled_seqs], [s.sampling_params for s in sampled_seqs]
         )
 
@@ -408,7 +419,9 @@ class LLMEngine:
             max_bytes=config.chunk_disk_bytes,
         )
 
-    def _on_token(self, req: _Request, token_id: int, now: float) -> list[StepEvent]:
+    def _on_token(
+        self, req: _Request, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> list[StepEvent]:
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
@@ -421,7 +434,12 @@ class LLMEngine:
         if is_stop_token or req.stopped_on is not None:
             return []
         step = req.detokenizer.add(token_id)
-        events = [StepEvent(seq.seq_id, GenerationDelta(step.delta, [token_id]))]
+        # logprobs follow the tokens the deltas carry, so the text and its logprobs agree
+        logprobs = None
+        if req.logprobs is not None and logprob is not None:
+            logprobs = [logprob]
+            req.logprobs.append(logprob)
+        events = [StepEvent(seq.seq_id, GenerationDelta(step.delta, [token_id], logprobs))]
         if step.stopped_on is not None:
             req.stopped_on = step.stopped_on
             if not seq.is_finished:
@@ -453,6 +471,7 @@ class LLMEngine:
             ttft_s=(first - req.arrival) if first is not None else 0.0,
             tpot_s=((last - first) / (n - 1)) if first is not None and last and n > 1 else 0.0,
             stop_reason=req.stopped_on,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
         )
         events.append(StepEvent(seq_id, result))
         return events

@@ -6,11 +6,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the ``top`` most likely tokens
+    of that step (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class GenerationDelta:
-    """New text (possibly empty while a UTF-8 character or stop string is pending) and token ids."""
+    """New text (possibly empty while a UTF-8 character or stop string is pending) and token ids,
+    with one ``logprobs`` entry per token when the request asked for them."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -19,6 +31,7 @@ class GenerationResult:
 
     Of the prompt, ``cached_tokens`` came from an exact prefix hit, ``blended_tokens`` from cached
     chunk bodies at new positions, and ``recomputed_tokens`` were cached bodies computed again.
+    ``logprobs`` (when asked for) has one entry per token of the text: the deltas' entries.
     """
 
     request_id: str
@@ -34,3 +47,4 @@ class GenerationResult:
     blended_tokens: int = 0
     recomputed_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None

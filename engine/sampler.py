@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from prefixrag.engine.outputs import TokenLogprob
+from prefixrag.engine.penalties import TokenCounts
 from prefixrag.engine.sampling_params import SamplingParams
 
 # Stands in for the token of a row that could not be sampled; never a real token id.
@@ -20,16 +23,30 @@ class SamplingError(RuntimeError):
     without sampling them again (which would advance their seeded streams a second time).
     """
 
-    def __init__(self, token_ids: list[int], errors: dict[int, Exception]) -> None:
+    def __init__(
+        self,
+        token_ids: list[int],
+        errors: dict[int, Exception],
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
         causes = "; ".join(f"seq {i}: {type(e).__name__}: {e}" for i, e in errors.items())
         super().__init__(f"sampling failed for {causes}")
         self.token_ids = token_ids
         self.errors = errors
+        self.logprobs = logprobs if logprobs is not None else [None] * len(token_ids)
 
     @property
     def seq_ids(self) -> list[int]:
         """The sequences that got no token."""
         return list(self.errors)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One token per row, and its log-probabilities where the row's params ask for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 def new_generator(device: torch.device, seed: int) -> torch.Generator:
@@ -39,11 +56,13 @@ def new_generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 class Sampler:
-    """Greedy rows are an argmax; the others go through temperature, top-k and top-p.
+    """Every row's logits first get its bias and penalties (engine/penalties.py); then greedy
+    rows are an argmax and the others go through temperature, top-k, min-p and top-p.
 
     A seeded request owns a ``torch.Generator`` per device its logits come from (made on first
     use), which advances with every token it samples, so the same seed gives the same output
-    whatever else is in the batch.
+    whatever else is in the batch. A request with penalties has its token counts kept here
+    too: call :meth:`start` with its prompt before its first step, :meth:`release` at its end.
 
     A row that fails (bad parameters, non-finite probabilities) costs only its own sequence:
     :meth:`sample` samples the other rows, then raises :class:`SamplingError` naming it.
@@ -51,29 +70,50 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[int, dict[torch.device, torch.Generator]] = {}
+        self._counts = TokenCounts()
+
+    def start(self, seq_id: int, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Note a new sequence; only one with penalties needs it (the prompt counts for the
+        repetition penalty)."""
+        if params.has_penalties:
+            self._counts.start(seq_id, prompt_token_ids)
 
     def sample(
         self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
     ) -> list[int]:
+        """One token id per row (see :meth:`sample_with_logprobs`)."""
+        return self.sample_with_logprobs(logits, seq_ids, params).token_ids
+
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, seq_ids: Sequence[int], params: Sequence[SamplingParams]
+    ) -> SamplerOutput:
+        """One token id per row, with the log-probabilities of the rows that ask for them."""
         # logits: [num_seqs, vocab] float32
         if logits.shape[0] != len(params) or len(seq_ids) != len(params):
             raise ValueError("one row of logits, one seq id and one SamplingParams per sequence")
-        token_ids = torch.argmax(logits, dim=-1).tolist()
+        adjusted = self._counts.apply(logits, seq_ids, params)
+        token_ids = torch.argmax(adjusted, dim=-1).tolist()
         errors: dict[int, Exception] = {}
         for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
             if p.temperature > 0:
                 try:
-                    token_ids[row] = self._sample_row(logits[row], seq_id, p)
+                    token_ids[row] = self._sample_row(adjusted[row], seq_id, p)
                 except Exception as exc:  # this request's own failure: the other rows go on
                     token_ids[row] = FAILED_TOKEN
                     errors[seq_id] = exc
+        for seq_id, token_id, p in zip(seq_ids, token_ids, params, strict=True):
+            if p.has_penalties and token_id != FAILED_TOKEN:
+                self._counts.record(seq_id, token_id)
+        # the model's raw distribution, as OpenAI and vLLM report it (see SamplingParams)
+        logprobs = token_logprobs(logits, token_ids, params)
         if errors:
-            raise SamplingError(token_ids, errors)
-        return token_ids
+            raise SamplingError(token_ids, errors, logprobs)
+        return SamplerOutput(token_ids, logprobs)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished sequence's random state."""
+        """Forget a finished sequence's random state and token counts."""
         self._generators.pop(seq_id, None)
+        self._counts.release(seq_id)
 
     def _sample_row(self, row: torch.Tensor, seq_id: int, p: SamplingParams) -> int:
         # shifted so the largest logit is 0 first: a tiny temperature then sends the others to
@@ -85,6 +125,9 @@ class Sampler:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:
+            # min-p scales with the top token's probability: strict when the model is sure
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             probs = _top_p_filter(probs, p.top_p)
         generator = self._generator(seq_id, p, probs.device)
@@ -110,3 +153,32 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum()
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprob | None]:
+    """Per row: the sampled token's log-softmax over ``logits`` and the ``params.logprobs``
+    most likely tokens, or None where the row asks for none or got no token."""
+    # logits: [num_seqs, vocab]
+    rows = [
+        r for r, p in enumerate(params) if p.logprobs is not None and token_ids[r] != FAILED_TOKEN
+    ]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [num_rows, vocab]
+    chosen = torch.tensor([token_ids[r] for r in rows], device=logits.device).unsqueeze(1)
+    chosen_logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
+    k = max(params[r].logprobs or 0 for r in rows)
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if k:  # one topk for the batch at the largest k asked, cut per row below
+        values, ids = torch.topk(logprobs, k, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    for i, r in enumerate(rows):
+        n = params[r].logprobs or 0
+        top = list(zip(top_ids[i][:n], top_values[i][:n], strict=True))
+        out[r] = TokenLogprob(token_ids[r], chosen_logprobs[i], top)
+    return out

@@ -41,6 +41,11 @@ async def rag_chat_completion(
     request: Request, body: ChatCompletionRequest, state: AppState, tenant: str
 ) -> Any:
     """Answer the last user message from the documents, in OpenAI's chat shape."""
+    # One answer per question, as text: refused, not ignored, for the Q&A model.
+    if body.n != 1:
+        raise OpenAIError(f"n: {RAG_MODEL} gives one choice; n must be 1", 422, "n")
+    if body.logprobs:
+        raise OpenAIError(f"logprobs: not available for {RAG_MODEL}", 422, "logprobs")
     try:
         pipeline = state.qa_pipeline()
     except ServiceError as exc:
@@ -91,6 +96,7 @@ async def _prepare(
             max_tokens=body.wanted_max_tokens(),
             temperature=body.temperature,
             history=history,
+            **body.sampling_kwargs(),
         )
         return await qa.prepare_answer(pipeline=pipeline, query=query, tenant=tenant)
     except ValidationError as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,6 +17,7 @@ from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # OpenAI's last event of a stream.
 DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def data_event(payload: dict[str, Any]) -> str:
@@ -48,11 +49,18 @@ async def collect_until_disconnect(
             raise RuntimeError("generation ended without a result")
         return result
 
+    return await until_disconnect(request, final())
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``, or cancel it (which closes its engine streams, aborting their requests)
+    and return None if the client leaves first."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    gen_task = asyncio.ensure_future(final())
+    gen_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({gen_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -4,32 +4,52 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from prefixrag.app.schemas.sampling import SamplingControls
 
 # Paths whose errors use OpenAI's envelope instead of FastAPI's {"detail": ...}.
 OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+# Choices per request: each is a sequence of its own in the engine's batch.
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    # Unknown OpenAI fields (logit_bias, user, ...) are accepted and ignored, as OpenAI clients
-    # send some by default.
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(BaseModel):
+    """Only plain text: a JSON mode we do not enforce must not look accepted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+
+class _GenerationRequest(SamplingControls):
+    # A field we do not serve is refused (422 naming it), never ignored: a client that sends
+    # one believes it took effect. `user` and `metadata` change no output, and OpenAI clients
+    # send them, so they are accepted and not used.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    response_format: ResponseFormat | None = None
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token the engine reports; None for no logprobs."""
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -44,7 +64,11 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int]
-    echo: bool = False
+    echo: Literal[False] = Field(False, description="echoing the prompt is not supported")
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -82,6 +106,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

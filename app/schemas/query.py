@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prefixrag.app.schemas.fields import COLLECTION_PATTERN, EarlierQuestion, Question, RowId
+from prefixrag.app.schemas.sampling import SamplingControls
 
 MAX_HISTORY_TURNS = 32
 # Questions and answers of a whole conversation together: far more than any context window
@@ -23,9 +24,11 @@ class TurnIn(BaseModel):
     chunk_ids: list[RowId] = Field(default_factory=list, max_length=100)
 
 
-class QueryIn(BaseModel):
+class QueryIn(SamplingControls):
     """A question over the ready documents, optionally limited to a collection or documents,
     optionally following earlier turns of the same conversation (`history`, oldest first).
+    The answer is sampled with `temperature` and the shared controls (penalties, min_p,
+    logit_bias; see schemas/sampling.py).
 
     The question length and max_tokens are also checked against the settings
     (max_question_chars, max_tokens_cap) by the service, since those are configurable.

@@ -73,6 +73,14 @@ class LLMService:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.tokenizer.vocab_size
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as the logprobs of a response name it."""
+        return self.engine.tokenizer.decode([token_id])
+
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 

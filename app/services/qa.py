@@ -24,6 +24,7 @@ from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
 from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
+from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.search import search
 from prefixrag.engine.cache_scope import CacheScope
@@ -71,7 +72,12 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
             )
     llm = pipeline.llm
     max_tokens = llm.resolve_max_tokens(query.max_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=query.temperature)
+    bad_bias = out_of_vocabulary(query.logit_bias, llm.vocab_size)
+    if bad_bias is not None:
+        raise InvalidInputError(bad_bias)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=query.temperature, **query.sampling_kwargs()
+    )
     history, hits, timings = await run_in_threadpool(_read, pipeline, query, tenant)
     if pipeline.on_retrieval is not None:
         pipeline.on_retrieval(timings)

@@ -132,3 +132,161 @@ def test_malformed_json_is_a_422_with_an_openai_body(server):
     r = httpx.post(f"{base}/v1/chat/completions", json={"model": "x", "messages": []})
     assert r.status_code == 422
     assert "messages" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "2"),
+        ({"presence_penalty": -2.1}, "presence_penalty", "-2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"min_p": 1.1}, "min_p", "1"),
+        ({"logit_bias": {"5": 150}}, "logit_bias.5", "100"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias.-3.[key]", "0"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias", "vocabulary"),
+        ({"logprobs": 6}, "logprobs", "5"),
+        ({"n": 0}, "n", "1"),
+        ({"echo": True}, "echo", "False"),
+        ({"suffix": "x"}, "suffix", "Extra inputs"),  # unsupported: refused, not ignored
+        ({"best_of": 2}, "best_of", "Extra inputs"),
+    ],
+)
+def test_out_of_range_sampling_fields_are_422_naming_the_field(
+    client, model_id, extra, param, message
+):
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, extra_body=extra)
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param
+    assert param.split(".")[0] in body["message"] and message in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, None),  # without logprobs: the model-level check names it
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ],
+)
+def test_chat_refuses_what_it_does_not_serve(client, model_id, extra, param):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=2, extra_body=extra
+        )
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param
+    assert "top_logprobs" in body["message"] or param in body["message"]
+
+
+def test_harmless_client_fields_are_accepted(client, model_id):
+    out = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        user="someone",
+        metadata={"k": "v"},
+        response_format={"type": "text"},
+    )
+    assert out.choices[0].message.content is not None
+
+
+def test_chat_logprobs_stream_and_non_stream(client, model_id):
+    # The values are checked against the model's log-softmax in tests/engine/test_logprobs.py;
+    # here: OpenAI's shape, one entry per token of the text, the same when streamed.
+    messages = [{"role": "user", "content": "Name a colour."}]
+    args = {"model": model_id, "messages": messages, "max_tokens": 8, "temperature": 0}
+    full = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the most likely
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes) == entry.token.encode()
+    chunks = list(client.chat.completions.create(**args, logprobs=True, stream=True))
+    streamed = [
+        c
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for c in ch.choices[0].logprobs.content
+    ]
+    # the same tokens; the second request reads the prompt's KV from the prefix cache, which
+    # may move a logprob in its last float32 digits
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-3)
+    assert all(c.top_logprobs == [] for c in streamed)
+    plain = client.chat.completions.create(**args)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_shape(client, model_id):
+    out = client.completions.create(
+        model=model_id,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert all(
+        len(top) <= 3 and max(top.values()) == pytest.approx(v, abs=1e-5)
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+
+
+def test_n_choices_share_the_prompt_and_differ_when_sampled(client, model_id, server):
+    _, state = server
+    prompt = "A list of fruit, " + "apples and pears and plums, " * 6
+    hits_before = state.llm.engine.stats()["hit_tokens"]
+    out = client.completions.create(
+        model=model_id,
+        prompt=prompt,
+        max_tokens=8,
+        n=3,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1  # each choice draws from its own seed
+    assert out.usage.completion_tokens == 24
+    # choices 1 and 2 start after choice 0 computed the prompt: each reuses its full blocks
+    num_prompt = len(state.llm.encode(prompt))
+    assert state.llm.engine.stats()["hit_tokens"] - hits_before >= 2 * ((num_prompt - 1) // 16 * 16)
+    again = client.completions.create(
+        model=model_id,
+        prompt=prompt,
+        max_tokens=8,
+        n=3,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chunks = list(
+        client.completions.create(
+            model=model_id,
+            prompt=prompt,
+            max_tokens=8,
+            n=3,
+            temperature=1.0,
+            seed=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    streamed = [
+        "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ]
+    assert streamed == [c.text for c in out.choices]

@@ -148,6 +148,12 @@ def test_no_matching_documents_still_answers_without_sources(qa):
         ({"question": QUESTION, "max_tokens": 4096}, "max_tokens"),
         ({"question": QUESTION, "top_k": 0}, "top_k"),
         ({"question": QUESTION, "surprise": 1}, "surprise"),
+        ({"question": QUESTION, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"question": QUESTION, "presence_penalty": -3}, "presence_penalty"),
+        ({"question": QUESTION, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"question": QUESTION, "min_p": 1.5}, "min_p"),
+        ({"question": QUESTION, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"question": QUESTION, "logit_bias": {"10000000": 1}}, "vocabulary"),
     ],
 )
 def test_bad_requests_are_422(qa, body, message):
@@ -155,6 +161,20 @@ def test_bad_requests_are_422(qa, body, message):
     response = client.post("/v1/query", json=body)
     assert response.status_code == 422
     assert message in response.text
+
+
+def test_logit_bias_and_penalties_reach_the_answer(qa):
+    client, _ = qa
+    plain = ask(client, question=QUESTION, max_tokens=6)
+    tok = app_state(client).llm.engine.tokenizer
+    first = tok.encode(plain["answer"])[0]
+    banned = ask(client, question=QUESTION, max_tokens=6, logit_bias={str(first): -100})
+    assert banned["answer"] != plain["answer"]
+    assert tok.encode(banned["answer"])[:1] != [first]
+    # penalties and min_p are applied, not only accepted: a strong repetition penalty changes
+    # a greedy answer that repeats its sources' words
+    penalised = ask(client, question=QUESTION, max_tokens=24, repetition_penalty=5.0, min_p=0.1)
+    assert penalised["answer"] != ask(client, question=QUESTION, max_tokens=24)["answer"]
 
 
 def test_no_request_is_left_in_the_engine_after_answers(qa):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefixrag.engine.llm_engine import LLMEngine
+from prefixrag.engine.sampling_params import SamplingParams
 from tests.engine.llm_fixtures import greedy_ids, make_engine
 
 BLOCK = 16
@@ -107,3 +108,26 @@ def _common_prefix(a: list[int], b: list[int]) -> list[int]:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+PENALISED = SamplingParams(
+    max_tokens=48,
+    temperature=0.0,
+    ignore_eos=True,
+    presence_penalty=0.4,
+    frequency_penalty=0.3,
+    repetition_penalty=1.3,
+    logit_bias={13: -5.0},
+)
+
+
+def test_penalised_output_is_the_same_cached_and_batched_as_alone(engine_on, engine_off, prompts):
+    # Penalties read the sequence's own counts only: neither a cached prefix nor the other rows
+    # of the batch may change what a penalised greedy request generates.
+    alone = [greedy_ids(engine_off, [p], PENALISED)[0][0] for p in prompts]
+    unpenalised = [greedy_ids(engine_off, [p])[0][0][:48] for p in prompts]
+    assert alone != unpenalised  # the penalties did change the output
+    greedy_ids(engine_on, [prompts[0]], PENALISED)  # cache the shared head
+    batched, cached = greedy_ids(engine_on, prompts, PENALISED)
+    assert batched == alone
+    assert all(n > 0 for n in cached)

@@ -161,3 +161,43 @@ def test_seeded_sampling_on_cuda():
         assert gens and all(g.device == x.device for g in gens)
     # same seed, same stream on this device; rows 0 and 2 share the seed, not the generator
     assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]] == [r[2] for r in runs[0]]
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    # probabilities 0.5, 0.3, 0.15, 0.05: min_p=0.2 keeps those >= 0.1, so never token 3
+    x = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    s = Sampler()
+    draws = {s.sample(x, [i], [SamplingParams(min_p=0.2, seed=i)])[0] for i in range(300)}
+    assert draws == {0, 1, 2}
+    everything = {s.sample(x, [i + 1000], [SamplingParams(seed=i)])[0] for i in range(300)}
+    assert 3 in everything
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_adjustments():
+    x = logits(rows=3, vocab=60)
+    reference = torch.log_softmax(x, dim=-1)
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.7, seed=2, logprobs=0, presence_penalty=1.5),
+        SamplingParams(temperature=0),  # asks for none
+    ]
+    out = Sampler().sample_with_logprobs(x, [0, 1, 2], params)
+    first, second, third = out.logprobs
+    assert third is None
+    assert first is not None and second is not None
+    assert first.token_id == out.token_ids[0] == int(x[0].argmax())
+    assert first.logprob == pytest.approx(float(reference[0].max()))
+    top = torch.topk(reference[0], 3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top.values.tolist())
+    assert second.top == []
+    assert second.logprob == pytest.approx(float(reference[1, out.token_ids[1]]))
+
+
+def test_a_failed_row_has_no_logprobs_and_the_others_keep_theirs():
+    x = logits(rows=2, vocab=40)
+    p = SamplingParams(temperature=0.8, seed=1, logprobs=2)
+    with pytest.raises(SamplingError) as info:
+        _FailingFor({5}).sample_with_logprobs(x, [4, 5], [p, p])
+    assert info.value.logprobs[1] is None
+    assert info.value.logprobs[0] is not None and len(info.value.logprobs[0].top) == 2

@@ -6,6 +6,7 @@ The chat route also serves the `prefixrag-rag` model, answered by the Q&A pipeli
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,10 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from prefixrag.app.api.choices import Item, collect_choices, fan_out
 from prefixrag.app.api.deps import LLMDep, StateDep, TenantDep, get_llm
 from prefixrag.app.api.openai_shapes import ChatShape, CompletionShape, Shape
 from prefixrag.app.api.rag_chat import RAG_MODEL, rag_chat_completion
-from prefixrag.app.api.sse import DONE, collect_until_disconnect, data_event, event_stream
+from prefixrag.app.api.sse import DONE, data_event, event_stream, until_disconnect
 from prefixrag.app.core.errors import OpenAIError, ServiceError
 from prefixrag.app.schemas.errors import COMMON_CODES, event_stream_response, openai_error_responses
 from prefixrag.app.schemas.openai import (
@@ -25,9 +27,10 @@ from prefixrag.app.schemas.openai import (
     _GenerationRequest,
     error_body,
 )
+from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService
 from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.outputs import GenerationDelta, GenerationResult
+from prefixrag.engine.outputs import GenerationDelta
 from prefixrag.engine.sampling_params import SamplingParams
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_error_responses(*COMMON_CODES))
@@ -60,7 +63,7 @@ async def completions(
     if isinstance(body.prompt, list) and max(body.prompt) >= llm.engine.tokenizer.vocab_size:
         raise OpenAIError("prompt contains token ids outside the vocabulary", param="prompt")
     params = _sampling_params(body, llm, len(prompt_ids), body.max_tokens)
-    shape = CompletionShape(llm.model_id)
+    shape = CompletionShape(llm.model_id, llm.token_text)
     return await _respond(request, body, llm, prompt_ids, params, shape, tenant)
 
 
@@ -75,7 +78,7 @@ async def chat_completions(
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = llm.encode(llm.chat_prompt(messages))
     params = _sampling_params(body, llm, len(prompt_ids), body.wanted_max_tokens())
-    shape = ChatShape(llm.model_id)
+    shape = ChatShape(llm.model_id, llm.token_text)
     return await _respond(request, body, llm, prompt_ids, params, shape, tenant)
 
 
@@ -88,6 +91,9 @@ def _check_model(name: str, llm: LLMService) -> None:
 def _sampling_params(
     body: _GenerationRequest, llm: LLMService, num_prompt_tokens: int, max_tokens: int | None
 ) -> SamplingParams:
+    bad_bias = out_of_vocabulary(body.logit_bias, llm.vocab_size)
+    if bad_bias is not None:  # a range error like the others the schema reports: 422
+        raise OpenAIError(bad_bias, 422, "logit_bias")
     try:
         fitted = llm.fit_max_tokens(num_prompt_tokens, max_tokens)
         return SamplingParams(
@@ -98,6 +104,8 @@ def _sampling_params(
             seed=body.seed,
             stop=list(body.stop or []),
             ignore_eos=body.ignore_eos,
+            logprobs=body.num_logprobs(),
+            **body.sampling_kwargs(),
         )
     except ServiceError as exc:
         raise OpenAIError(str(exc), exc.status_code, getattr(exc, "param", "max_tokens")) from exc
@@ -115,28 +123,42 @@ async def _respond(
     tenant: str,
 ) -> Any:
     # a raw prompt has no public part: all of it is cached under the tenant's own salt
-    stream = llm.generate(prompt_ids, params, cache_scope=CacheScope(namespace=tenant))
+    scope = CacheScope(namespace=tenant)
+    streams = [
+        llm.generate(prompt_ids, choice_params, cache_scope=scope)
+        for choice_params in _per_choice(params, body.n)
+    ]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(_sse(stream, shape, include_usage))
-    result = await collect_until_disconnect(request, stream)
-    if result is None:  # the client went away; nobody reads a response
+        return event_stream(_sse(fan_out(streams), body.n, shape, include_usage))
+    results = await until_disconnect(request, collect_choices(streams))
+    if results is None:  # the client went away; nobody reads a response
         return JSONResponse(error_body("client disconnected"), status_code=499)
-    return shape.full(result)
+    return shape.full_n(results)
+
+
+def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    # A seeded request stays reproducible, yet its choices differ: choice i draws from seed + i.
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
 async def _sse(
-    stream: AsyncIterator[GenerationDelta | GenerationResult], shape: Shape, include_usage: bool
+    stream: AsyncIterator[tuple[int, Item]], n: int, shape: Shape, include_usage: bool
 ) -> AsyncIterator[str]:
-    first = shape.start()
-    if first is not None:
-        yield data_event(first)
-    async for item in stream:
+    for index in range(n):
+        first = shape.start(index)
+        if first is not None:
+            yield data_event(first)
+    results = []
+    async for index, item in stream:
         if isinstance(item, GenerationDelta):
-            if item.text:
-                yield data_event(shape.delta(item.text))
+            if item.text or item.logprobs:  # a token whose text is pending still has logprobs
+                yield data_event(shape.delta(item.text, index, item.logprobs))
             continue
-        yield data_event(shape.finish(item.finish_reason))
-        if include_usage:
-            yield data_event(shape.usage_chunk(item))
+        results.append(item)
+        yield data_event(shape.finish(item.finish_reason, index))
+    if include_usage and results:
+        yield data_event(shape.usage_chunk(*results))
     yield DONE
