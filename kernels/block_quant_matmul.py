@@ -149,8 +149,9 @@ def block_quant_matmul(
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 x [..., K] -> [..., N], the weight expanded row by row in cache.
 
-    A row's result does not depend on how many rows share the call. ``flags`` picks the build
-    (tests build the portable path with ``-mno-avx512f``).
+    A row's result does not depend on how many rows share the call, nor on the SIMD path the
+    build took. ``flags`` picks the build (tests build the AVX2 path with ``-mno-avx512f`` and
+    the portable one with ``-mno-avx512f -mno-avx2``).
     """
     _check(x, w)
     n, k = w.shape
@@ -165,6 +166,34 @@ def block_quant_matmul(
         if rc != 0:
             raise ValueError(f"block_quant_matmul rejected K = {k}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def fixed_order_matmul(
+    x: torch.Tensor, w: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """``x @ w.T`` for float32 x [M, K] and w [N, K], each dot product summed in the block
+    kernel's fixed order: ``block_quant_matmul(x, bw)`` equals it over ``bw``'s dequantized
+    matrix, bit for bit, with the same ``flags``."""
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"x and w must be float32, got {x.dtype} and {w.dtype}")
+    (m, k), n = x.shape, w.shape[0]
+    if w.shape[1] != k or k % QBLOCK:
+        raise ValueError(f"K must match and be a multiple of {QBLOCK}: {k}, {w.shape[1]}")
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib = load_library("block_quant_matmul.c", flags)
+    rc = lib.fixed_order_matmul(
+        _ptr(x), _ptr(w), _ptr(out),
+        ctypes.c_int64(m), ctypes.c_int64(n), ctypes.c_int64(k),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"fixed_order_matmul rejected K = {k}")
+    return out
+
+
+def simd_lanes(flags: tuple[str, ...] = DEFAULT_FLAGS) -> int:
+    """The vector width the build with ``flags`` took: 16 (AVX-512), 8 (AVX2+FMA), 1 (portable)."""
+    return int(load_library("block_quant_matmul.c", flags).block_quant_lanes())
 
 
 def block_quant_dequantize(

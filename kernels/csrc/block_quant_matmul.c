@@ -8,10 +8,11 @@
  * The expanded row is fl(d * code + m), rounded once (fma), which is what gguf's numpy
  * dequantizer produces, so W here is bit-for-bit the float32 matrix a dequantized load holds.
  *
- * Every dot product runs in one fixed order (four 16-lane accumulators over k, then a fixed
- * reduction), whatever M is and however rows are split between threads: a token's logits do not
- * depend on what else shares its batch. Threads split N through OpenMP; the library links the
- * libgomp torch already loaded, so torch and this kernel share one thread pool.
+ * Every dot product runs in one fixed order (64 partial sums over k, then a fixed reduction; see
+ * block_quant.h), whatever M is, however rows are split between threads and whichever SIMD path
+ * the host compiled: a token's logits do not depend on what else shares its batch. Threads split
+ * N through OpenMP; the library links the libgomp torch already loaded, so torch and this kernel
+ * share one thread pool.
  */
 #include "block_quant.h"
 
@@ -40,4 +41,24 @@ int block_quant_dequantize(int kind, const void *codes, const float *d, const fl
             expand_q8((const int8_t *)codes + j * k, d + j * nb, k, out + j * k);
     }
     return 0;
+}
+
+/* out[M, N] = x[M, K] @ W[N, K]^T for a float32 W, each dot product in the block kernel's fixed
+ * order: over the dequantized matrix this is the block matmul, bit for bit (the tests' yardstick). */
+int fixed_order_matmul(const float *x, const float *w, float *out, int64_t rows, int64_t n,
+                       int64_t k) {
+    if (k % QBLOCK != 0) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w + j * k, k);
+    return 0;
+}
+
+/* 16 (AVX-512), 8 (AVX2+FMA) or 1 (portable): which path this build took */
+int block_quant_lanes(void) {
+#if defined(BQ_SIMD)
+    return LANES;
+#else
+    return 1;
+#endif
 }

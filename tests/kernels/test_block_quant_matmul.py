@@ -14,15 +14,24 @@ from prefixrag.kernels.block_quant_matmul import (
     block_quant_matmul,
     block_quant_matmul_torch,
     dequantize_torch,
+    fixed_order_matmul,
     from_gguf_blocks,
+    simd_lanes,
 )
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
 
-# the portable C path, built without AVX-512, must agree too
-PORTABLE_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
-BUILDS = pytest.mark.parametrize(
-    "flags", [DEFAULT_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"]
-)
+# every C path this host can run must agree: native (AVX-512 where the host has it), the AVX2
+# path built without AVX-512, and the portable one built without either
+AVX2_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
+PORTABLE_FLAGS = (*AVX2_FLAGS, "-mno-avx2")
+ALL_FLAGS = {"native": DEFAULT_FLAGS, "avx2": AVX2_FLAGS, "portable": PORTABLE_FLAGS}
+BUILDS = pytest.mark.parametrize("flags", list(ALL_FLAGS.values()), ids=list(ALL_FLAGS))
+
+
+def host_cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        line = next((ln for ln in f if ln.startswith("flags")), "flags:")
+    return set(line.split(":", 1)[1].split())
 
 
 def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -77,6 +86,43 @@ def test_a_row_does_not_depend_on_its_batch(flags):
     for r in (0, 5, 12):
         assert torch.equal(block_quant_matmul(x[r : r + 1], w, flags)[0], full[r])
     assert torch.equal(block_quant_matmul(x[3:9], w, flags), full[3:9])
+
+
+def test_each_build_takes_its_path():
+    host = host_cpu_flags()
+    assert simd_lanes(PORTABLE_FLAGS) == 1
+    if {"avx2", "fma"} <= host:
+        assert simd_lanes(AVX2_FLAGS) == 8
+    if "avx512f" in host:
+        assert simd_lanes(DEFAULT_FLAGS) == 16
+
+
+@BUILDS
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("rows", "k"), [(1, 32), (2, 96), (3, 160), (5, 576), (4, 1504)])
+def test_matmul_is_the_fixed_order_dot_over_the_dequantized_rows(flags, gguf_type, rows, k):
+    # odd block counts end on a half round of the accumulators; rows past GROUP take a second
+    # group; the SIMD matmul never expands a row, so this holds its unpacking to dot()'s order
+    n = 37
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=k), gguf_type, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = fixed_order_matmul(x, block_quant_dequantize(w, flags), flags)
+    assert torch.equal(block_quant_matmul(x, w, flags), expected)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_every_build_sums_in_the_same_order(gguf_type):
+    n, k = 29, 1504  # 47 blocks: full rounds and a half one
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=6), gguf_type, (n, k))
+    # mixed magnitudes and signs, so a different order would show in the low bits
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7)) * torch.logspace(-3, 3, k)
+    results = {name: block_quant_matmul(x, w, flags) for name, flags in ALL_FLAGS.items()}
+    for name, got in results.items():
+        assert torch.equal(got, results["portable"]), name
+    dense = dequantize_torch(w)
+    assert torch.equal(fixed_order_matmul(x, dense, PORTABLE_FLAGS), results["portable"])
+    # and the order is a real choice: plain torch sums differently (else this test proves little)
+    assert not torch.equal(x @ dense.T, results["portable"])
 
 
 def test_leading_dims_and_empty_batch():
