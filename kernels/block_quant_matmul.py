@@ -1,4 +1,5 @@
-"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0), beside its torch reference.
+"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K), beside its
+torch reference.
 
 A :class:`BlockQuantWeight` keeps a weight matrix [N, K] in the checkpoint's own 32-element
 blocks, split into planes the kernel reads directly: 4-bit codes and per-block float32 scale ``d``
@@ -24,9 +25,11 @@ from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 QBLOCK = 32
 MAX_K = 16384
 _KIND = {"q4": 4, "q8": 8}
-# GGUF block sizes in bytes: fp16 d [, fp16 m], codes
-_Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
-SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# GGUF block sizes in bytes: fp16 d [, fp16 m], codes (Q5_0: fp16 d, 32 high bits, low nibbles)
+_Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES, _Q5_0_BYTES = 18, 20, 34, 22
+# Q4_K: super-blocks of 256, fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+QK_K, _Q4_K_BYTES = 256, 144
+SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
 
 
 @dataclass(slots=True)
@@ -96,13 +99,17 @@ def from_gguf_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) ->
     n, k = shape
     if k % QBLOCK:
         raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
-    size = {"Q4_0": _Q4_0_BYTES, "Q4_1": _Q4_1_BYTES, "Q8_0": _Q8_0_BYTES}.get(gguf_type)
+    if gguf_type == "Q4_K":
+        return _from_q4_k(raw, n, k)
+    sizes = {"Q4_0": _Q4_0_BYTES, "Q4_1": _Q4_1_BYTES, "Q8_0": _Q8_0_BYTES, "Q5_0": _Q5_0_BYTES}
+    size = sizes.get(gguf_type)
     if size is None:
         raise ValueError(f"{gguf_type} is not one of {', '.join(SUPPORTED_GGUF_TYPES)}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QBLOCK, size)
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if gguf_type == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    if gguf_type in ("Q8_0", "Q5_0"):
+        codes = blocks[..., 2:] if gguf_type == "Q8_0" else _q5_0_codes(blocks)
+        codes = np.ascontiguousarray(codes).view(np.int8).reshape(n, k)
         return BlockQuantWeight("q8", torch.from_numpy(codes), torch.from_numpy(d), None)
     if gguf_type == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -112,6 +119,54 @@ def from_gguf_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) ->
         codes = blocks[..., 2:]
     codes = np.ascontiguousarray(codes).reshape(n, k // 2)
     return BlockQuantWeight("q4", torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _q5_0_codes(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0's codes q - 16 as int8 [..., 32]: w = d * (q - 16) is what q8 computes (the product
+    of an fp16 d and a 5-bit code is exact), so Q5_0 rides on q8 at one byte a weight. Element
+    j's low four bits are a Q4_0-style nibble, its fifth is bit j of the little-endian qh."""
+    qh = blocks[..., 2:6].copy().view("<u4")  # [..., 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    qs = blocks[..., 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+
+
+def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of each super-block from its 12 bytes [..., 12]:
+    sub-block j < 4 keeps its scale and min in the low 6 bits of bytes j and j + 4; j >= 4 in the
+    nibbles of byte j + 4, with the top 2 bits in the spare high bits of bytes j - 4 and j."""
+    lo, hi, mixed = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, mins
+
+
+def _from_q4_k(raw: np.ndarray, n: int, k: int) -> BlockQuantWeight:
+    """Q4_K as q4 planes, one 32-element sub-block per q4 block.
+
+    gguf computes w = fl(fl(d * sc * q) - dmin * m) with fp16 d, dmin, 6-bit sc, m and 4-bit q,
+    two roundings where q4 makes one (fma). Here they agree: d * sc and dmin * m carry at most
+    11 + 6 significant bits and (d * sc) * q at most 21, all under float32's 24, so every product
+    is exact, only the subtraction rounds, and it equals q4's fl(d' * q + m') with d' = d * sc
+    and m' = -(dmin * m). The q4 planes hold the matrix gguf dequantizes, bit for bit.
+    """
+    if k % QK_K:
+        raise ValueError(f"K = {k} is not a multiple of the Q4_K super-block {QK_K}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK_K, _Q4_K_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, S, 1]
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = _q4_k_scales(blocks[..., 4:16])
+    d_sub = (d * sc.astype(np.float32)).reshape(n, k // QBLOCK)
+    m_sub = -(dmin * mins.astype(np.float32)).reshape(n, k // QBLOCK)
+    # each 32 bytes of codes hold two sub-blocks: the first in the low nibbles, the next in the
+    # high ones; q4 wants a block's elements t and t + 16 in the low and high nibble of byte t
+    qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (qs & 15).reshape(n, k // QBLOCK, QBLOCK)
+    codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+    return BlockQuantWeight(
+        "q4", torch.from_numpy(codes), torch.from_numpy(d_sub), torch.from_numpy(m_sub)
+    )
 
 
 def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:

@@ -37,16 +37,33 @@ def host_cpu_flags() -> set[str]:
 def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
     """Raw GGUF blocks with random codes and sane fp16 scales, [n, k/32 * block bytes]."""
     rng = np.random.default_rng(seed)
+    if gguf_type == "Q4_K":
+        return random_q4_k_blocks(rng, n, k)
     nb = k // 32
     d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
     if gguf_type == "Q8_0":
         codes = rng.integers(-127, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
         return np.concatenate([d, codes], axis=-1).reshape(n, -1)
+    if gguf_type == "Q5_0":  # 4 bytes of high bits, then the low nibbles
+        packed = rng.integers(0, 256, (n, nb, 20), dtype=np.uint8)
+        return np.concatenate([d, packed], axis=-1).reshape(n, -1)
     codes = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
     if gguf_type == "Q4_0":
         return np.concatenate([d, codes], axis=-1).reshape(n, -1)
     m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
     return np.concatenate([d, m, codes], axis=-1).reshape(n, -1)
+
+
+def random_q4_k_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Q4_K super-blocks: fp16 d and dmin of either sign (some subnormal), random bytes for the
+    packed 6-bit scales and mins and for the codes (every bit pattern is a valid block)."""
+    s = k // 256
+    d, dmin = (rng.uniform(-0.01, 0.01, (2, n, s, 1)) * (rng.random((2, n, s, 1)) < 0.9)).astype(
+        np.float16
+    )
+    d[:, 0] = np.float16(3e-7)  # fp16 subnormal: exact in float32 too
+    packed = rng.integers(0, 256, (n, s, 12 + 128), dtype=np.uint8)
+    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed], axis=-1).reshape(n, -1)
 
 
 def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
@@ -55,7 +72,7 @@ def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Ten
 
 
 @BUILDS
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (33, 576), (64, 1536)])
 def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
     raw = random_gguf_blocks(gguf_type, n, k, seed=n + k)
@@ -63,6 +80,19 @@ def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
     expected = gguf_reference(raw, gguf_type, n, k)
     assert torch.equal(dequantize_torch(w), expected)
     assert torch.equal(block_quant_dequantize(w, flags), expected)
+
+
+@BUILDS
+@pytest.mark.parametrize(("n", "k"), [(1, 256), (5, 768), (33, 1536)])
+def test_q4_k_repacks_to_gguf_bit_for_bit(flags, n, k):
+    raw = random_gguf_blocks("Q4_K", n, k, seed=n)
+    w = from_gguf_blocks(raw, "Q4_K", (n, k))
+    expected = gguf_reference(raw, "Q4_K", n, k)
+    assert w.kind == "q4"
+    assert torch.equal(dequantize_torch(w), expected)
+    assert torch.equal(block_quant_dequantize(w, flags), expected)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(block_quant_matmul(x, w, flags), fixed_order_matmul(x, expected, flags))
 
 
 @BUILDS
@@ -98,7 +128,7 @@ def test_each_build_takes_its_path():
 
 
 @BUILDS
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 32), (2, 96), (3, 160), (5, 576), (4, 1504)])
 def test_matmul_is_the_fixed_order_dot_over_the_dequantized_rows(flags, gguf_type, rows, k):
     # odd block counts end on a half round of the accumulators; rows past GROUP take a second
@@ -141,6 +171,8 @@ def test_bad_inputs_raise_value_error():
         block_quant_matmul(torch.randn(1, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="multiple of the block size"):
         from_gguf_blocks(np.zeros(40, np.uint8), "Q4_1", (1, 40))
+    with pytest.raises(ValueError, match="Q4_K super-block"):
+        from_gguf_blocks(np.zeros(144, np.uint8), "Q4_K", (1, 128))
     with pytest.raises(ValueError, match="Q6_K is not one of"):
         from_gguf_blocks(np.zeros(20, np.uint8), "Q6_K", (1, 32))
     with pytest.raises(ValueError, match="need m"):
