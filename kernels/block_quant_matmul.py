@@ -1,5 +1,5 @@
-"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K), beside its
-torch reference.
+"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K), beside
+its torch reference.
 
 A :class:`BlockQuantWeight` keeps a weight matrix [N, K] in the checkpoint's own 32-element
 blocks, split into planes the kernel reads directly: 4-bit codes and per-block float32 scale ``d``
@@ -24,18 +24,22 @@ from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 QBLOCK = 32
 MAX_K = 16384
-_KIND = {"q4": 4, "q8": 8}
+_KIND = {"q4": 4, "q8": 8, "q8_16": 16}
+# elements per scale: q8_16 is q8 with a d per 16 codes (Q6_K's sub-blocks)
+_SCALE_BLOCK = {"q4": QBLOCK, "q8": QBLOCK, "q8_16": QBLOCK // 2}
 # GGUF block sizes in bytes: fp16 d [, fp16 m], codes (Q5_0: fp16 d, 32 high bits, low nibbles)
 _Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES, _Q5_0_BYTES = 18, 20, 34, 22
-# Q4_K: super-blocks of 256, fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes
-QK_K, _Q4_K_BYTES = 256, 144
-SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
+# Q4_K: super-blocks of 256, fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of codes;
+# Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d
+QK_K, _Q4_K_BYTES, _Q6_K_BYTES = 256, 144, 210
+SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 
 
 @dataclass(slots=True)
 class BlockQuantWeight:
     """A [N, K] matrix as block planes: ``kind`` ``q4`` (codes uint8 [N, K/2], d and m float32
-    [N, K/32]) or ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None)."""
+    [N, K/32]), ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None) or ``q8_16`` (as q8 with
+    d [N, K/16])."""
 
     kind: str
     codes: torch.Tensor
@@ -46,28 +50,26 @@ class BlockQuantWeight:
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND:
-            raise ValueError(f"kind must be q4 or q8, got {self.kind!r}")
+            raise ValueError(f"kind must be one of {', '.join(_KIND)}, got {self.kind!r}")
         if self.d.dtype != torch.float32 or self.d.dim() != 2:
-            raise ValueError("d must be a 2-D float32 tensor [N, K/32]")
-        n, nb = self.d.shape
-        want = (
-            (torch.uint8, (n, nb * QBLOCK // 2))
-            if self.kind == "q4"
-            else (torch.int8, (n, nb * QBLOCK))
-        )
+            raise ValueError("d must be a 2-D float32 tensor [N, K/32] (q8_16: [N, K/16])")
+        n, k = self.shape
+        if k % QBLOCK:
+            raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
+        want = (torch.uint8, (n, k // 2)) if self.kind == "q4" else (torch.int8, (n, k))
         if self.codes.dtype != want[0] or tuple(self.codes.shape) != want[1]:
             raise ValueError(
                 f"{self.kind} codes must be {want[0]} {want[1]}, "
                 f"got {self.codes.dtype} {tuple(self.codes.shape)}"
             )
         if (self.kind == "q4") != (self.m is not None):
-            raise ValueError("q4 weights need m; q8 weights take none")
+            raise ValueError("q4 weights need m; q8 and q8_16 weights take none")
         if self.m is not None and self.m.shape != self.d.shape:
             raise ValueError(f"m {tuple(self.m.shape)} must match d {tuple(self.d.shape)}")
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.d.shape[0], self.d.shape[1] * QBLOCK))
+        return torch.Size((self.d.shape[0], self.d.shape[1] * _SCALE_BLOCK[self.kind]))
 
     def select_rows(self, index: torch.Tensor) -> BlockQuantWeight:
         """The rows ``index`` (a row permutation or a subset), as a new weight."""
@@ -101,6 +103,8 @@ def from_gguf_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) ->
         raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
     if gguf_type == "Q4_K":
         return _from_q4_k(raw, n, k)
+    if gguf_type == "Q6_K":
+        return _from_q6_k(raw, n, k)
     sizes = {"Q4_0": _Q4_0_BYTES, "Q4_1": _Q4_1_BYTES, "Q8_0": _Q8_0_BYTES, "Q5_0": _Q5_0_BYTES}
     size = sizes.get(gguf_type)
     if size is None:
@@ -169,11 +173,31 @@ def _from_q4_k(raw: np.ndarray, n: int, k: int) -> BlockQuantWeight:
     )
 
 
+def _from_q6_k(raw: np.ndarray, n: int, k: int) -> BlockQuantWeight:
+    """Q6_K as q8_16: gguf computes w = fl(fl(d * sc) * q) with fp16 d, int8 sc and q in
+    [-32, 31]; d * sc carries at most 11 + 8 significant bits, so it is exact and the one
+    rounding left is q8's fl(d' * q) with d' = d * sc, a d per 16 codes."""
+    if k % QK_K:
+        raise ValueError(f"K = {k} is not a multiple of the Q6_K super-block {QK_K}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QK_K, _Q6_K_BYTES)
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    # each half of 128: ql's 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high);
+    # qh's 32 bytes hold bits 4..5 of elements 32 s + t in bits 2 s .. 2 s + 1 of byte t
+    low = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (low & 15).reshape(n, -1, 2, 4, 32) | ((high & 3) << 4)
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    d16 = (d * sc).reshape(n, k // (QBLOCK // 2))
+    return BlockQuantWeight("q8_16", torch.from_numpy(codes), torch.from_numpy(d16), None)
+
+
 def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:
     """The float32 matrix [N, K] in torch (the reference)."""
     n, k = w.shape
-    d = w.d.repeat_interleave(QBLOCK, dim=1)
-    if w.kind == "q8":
+    d = w.d.repeat_interleave(_SCALE_BLOCK[w.kind], dim=1)
+    if w.kind != "q4":
         return w.codes.float() * d
     blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
     codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(n, k).float()

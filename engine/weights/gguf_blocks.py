@@ -1,4 +1,5 @@
-"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q4_K).
+"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K,
+Q6_K).
 
 These stand for exactly the float32 matrices :func:`engine.weights.gguf_loader.load_gguf`
 dequantizes, under the model's fused names (q/k/v in one matrix, gate/up in another, Q/K rows

@@ -24,6 +24,9 @@
 #define NUM_PARTIALS 64
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
+/* 4: q4 (4-bit codes, d and m per 32); 8: q8 (int8 codes, d per 32); 16: q8_16 (d per 16) */
+static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16; }
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BQ_SIMD 1
 #include <immintrin.h>
@@ -55,11 +58,11 @@ static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) 
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d, vec *w) {
-    const __m512 vd = _mm512_set1_ps(d);
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, vec *w) {
     for (int h = 0; h < 2; h++) {
         const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
-        w[h] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v));
+        w[h] = _mm512_mul_ps(_mm512_set1_ps(h ? d_hi : d_lo), _mm512_cvtepi32_ps(v));
     }
 }
 
@@ -93,11 +96,12 @@ static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) 
     }
 }
 
-static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d, vec *w) {
-    const __m256 vd = _mm256_set1_ps(d);
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, vec *w) {
+    const __m256 vd_lo = _mm256_set1_ps(d_lo), vd_hi = _mm256_set1_ps(d_hi);
     for (int h = 0; h < 4; h++) {
         const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
-        w[h] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(v));
+        w[h] = _mm256_mul_ps(h < 2 ? vd_lo : vd_hi, _mm256_cvtepi32_ps(v));
     }
 }
 
@@ -130,16 +134,22 @@ static inline void expand_q4(const uint8_t *codes, const float *d, const float *
     }
 }
 
-static inline void expand_q8(const int8_t *codes, const float *d, int64_t k, float *w) {
+/* kind 8: a scale per 32 codes; kind 16 (q8_16): one per 16 */
+static ALWAYS_INLINE float q8_scale(int kind, const float *d, int64_t b, int hi) {
+    return kind == 16 ? d[2 * b + hi] : d[b];
+}
+
+static inline void expand_q8(int kind, const int8_t *codes, const float *d, int64_t k, float *w) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const int8_t *c = codes + b * QBLOCK;
         float *o = w + b * QBLOCK;
+        const float d_lo = q8_scale(kind, d, b, 0), d_hi = q8_scale(kind, d, b, 1);
 #if defined(BQ_SIMD)
         vec p[PIECES];
-        q8_pieces(c, d[b], p);
+        q8_pieces(c, d_lo, d_hi, p);
         for (int i = 0; i < PIECES; i++) vstore(o + i * LANES, p[i]);
 #else
-        for (int j = 0; j < QBLOCK; j++) o[j] = d[b] * (float)c[j];
+        for (int j = 0; j < QBLOCK; j++) o[j] = (j < QBLOCK / 2 ? d_lo : d_hi) * (float)c[j];
 #endif
     }
 }
@@ -184,7 +194,8 @@ static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float 
     if (kind == 4)
         q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], w);
     else
-        q8_pieces((const int8_t *)codes + b * QBLOCK, d[b], w);
+        q8_pieces((const int8_t *)codes + b * QBLOCK, q8_scale(kind, d, b, 0),
+                  q8_scale(kind, d, b, 1), w);
 }
 
 /* res[r] = x[r] . W_row for r < R (R a constant after inlining) */
@@ -247,20 +258,24 @@ static inline void bq_matmul_for(int kind, const float *x, const void *codes, co
         const void *cj = kind == 4 ? (const void *)((const uint8_t *)codes + j * (k / 2))
                                    : (const void *)((const int8_t *)codes + j * k);
         const float *mj = kind == 4 ? m + j * nb : NULL;
+        const float *dj = d + j * (kind == 16 ? 2 * nb : nb);
         for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
             float res[GROUP];
             const int g = rows - r0 < GROUP ? (int)(rows - r0) : GROUP;
+            /* a constant kind per call: each gets its own inlined loop */
             if (kind == 4)
-                dot_rows_kind(4, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+                dot_rows_kind(4, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == 8)
+                dot_rows_kind(8, x + r0 * k, k, cj, dj, mj, g, res);
             else
-                dot_rows_kind(8, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+                dot_rows_kind(16, x + r0 * k, k, cj, dj, mj, g, res);
             for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
         }
 #else
         if (kind == 4)
             expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, w);
         else
-            expand_q8((const int8_t *)codes + j * k, d + j * nb, k, w);
+            expand_q8(kind, (const int8_t *)codes + j * k, d + j * (kind == 16 ? 2 * nb : nb), k, w);
         for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w, k);
 #endif
     }

@@ -58,7 +58,7 @@ def test_block_tensors_repack_bit_for_bit(q4_k_m_path):
     # 1,536-wide ffn_down); the 576-wide rest falls back to Q5_0 / Q8_0
     reader = gguf.GGUFReader(q4_k_m_path)
     types = {t.tensor_type.name for t in reader.tensors}
-    assert {"Q4_K", "Q5_0"} <= types
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= types
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             continue
@@ -87,14 +87,17 @@ def test_block_weights_are_the_dense_load(q4_k_m_path):
     config, dense = load_gguf(q4_k_m_path)
     blocks = load_gguf_block_weights(q4_k_m_path, config)
     reader = gguf.GGUFReader(q4_k_m_path)
-    q4_k_downs = {
-        int(t.name.split(".")[1])
+    down_types = {
+        int(t.name.split(".")[1]): t.tensor_type.name
         for t in reader.tensors
-        if t.name.endswith("ffn_down.weight") and t.tensor_type.name == "Q4_K"
+        if t.name.endswith("ffn_down.weight")
     }
-    assert q4_k_downs
-    for i in q4_k_downs:
-        assert blocks[f"layers.{i}.mlp.down_weight"].kind == "q4"
-    assert len(blocks) >= 3 * config.num_layers  # attention and gate/up: Q5_0 and Q8_0 fuse
+    assert set(down_types.values()) == {"Q4_K", "Q6_K"}
+    for i, gguf_type in down_types.items():
+        assert (
+            blocks[f"layers.{i}.mlp.down_weight"].kind == {"Q4_K": "q4", "Q6_K": "q8_16"}[gguf_type]
+        )
+    # every matrix stays in blocks: Q5_0 and Q8_0 attention parts fuse (both q8)
+    assert len(blocks) == 4 * config.num_layers + 1
     for name, w in blocks.items():
         assert torch.equal(block_quant_dequantize(w), dense_parts(name, dense)), name

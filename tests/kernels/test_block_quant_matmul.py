@@ -37,8 +37,8 @@ def host_cpu_flags() -> set[str]:
 def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
     """Raw GGUF blocks with random codes and sane fp16 scales, [n, k/32 * block bytes]."""
     rng = np.random.default_rng(seed)
-    if gguf_type == "Q4_K":
-        return random_q4_k_blocks(rng, n, k)
+    if gguf_type in ("Q4_K", "Q6_K"):
+        return random_k_blocks(gguf_type, rng, n, k)
     nb = k // 32
     d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
     if gguf_type == "Q8_0":
@@ -54,16 +54,21 @@ def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
     return np.concatenate([d, m, codes], axis=-1).reshape(n, -1)
 
 
-def random_q4_k_blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """Q4_K super-blocks: fp16 d and dmin of either sign (some subnormal), random bytes for the
-    packed 6-bit scales and mins and for the codes (every bit pattern is a valid block)."""
+def random_k_blocks(gguf_type: str, rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Q4_K or Q6_K super-blocks: fp16 scales of either sign (some zero, some subnormal) and
+    random bytes for the packed sub-block scales and codes (every bit pattern is valid)."""
     s = k // 256
-    d, dmin = (rng.uniform(-0.01, 0.01, (2, n, s, 1)) * (rng.random((2, n, s, 1)) < 0.9)).astype(
+    d = (rng.uniform(-0.01, 0.01, (2, n, s, 1)) * (rng.random((2, n, s, 1)) < 0.9)).astype(
         np.float16
     )
     d[:, 0] = np.float16(3e-7)  # fp16 subnormal: exact in float32 too
-    packed = rng.integers(0, 256, (n, s, 12 + 128), dtype=np.uint8)
-    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed], axis=-1).reshape(n, -1)
+    if gguf_type == "Q6_K":  # low nibbles, high bit pairs, int8 scales, then d
+        packed = rng.integers(0, 256, (n, s, 128 + 64 + 16), dtype=np.uint8)
+        return np.concatenate([packed, d[0].view(np.uint8)], axis=-1).reshape(n, -1)
+    packed = rng.integers(0, 256, (n, s, 12 + 128), dtype=np.uint8)  # Q4_K: d, dmin, scales, codes
+    return np.concatenate([d[0].view(np.uint8), d[1].view(np.uint8), packed], axis=-1).reshape(
+        n, -1
+    )
 
 
 def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
@@ -83,12 +88,13 @@ def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
 
 
 @BUILDS
+@pytest.mark.parametrize(("gguf_type", "kind"), [("Q4_K", "q4"), ("Q6_K", "q8_16")])
 @pytest.mark.parametrize(("n", "k"), [(1, 256), (5, 768), (33, 1536)])
-def test_q4_k_repacks_to_gguf_bit_for_bit(flags, n, k):
-    raw = random_gguf_blocks("Q4_K", n, k, seed=n)
-    w = from_gguf_blocks(raw, "Q4_K", (n, k))
-    expected = gguf_reference(raw, "Q4_K", n, k)
-    assert w.kind == "q4"
+def test_k_quants_repack_to_gguf_bit_for_bit(flags, gguf_type, kind, n, k):
+    raw = random_gguf_blocks(gguf_type, n, k, seed=n)
+    w = from_gguf_blocks(raw, gguf_type, (n, k))
+    expected = gguf_reference(raw, gguf_type, n, k)
+    assert w.kind == kind
     assert torch.equal(dequantize_torch(w), expected)
     assert torch.equal(block_quant_dequantize(w, flags), expected)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(n))
@@ -173,8 +179,8 @@ def test_bad_inputs_raise_value_error():
         from_gguf_blocks(np.zeros(40, np.uint8), "Q4_1", (1, 40))
     with pytest.raises(ValueError, match="Q4_K super-block"):
         from_gguf_blocks(np.zeros(144, np.uint8), "Q4_K", (1, 128))
-    with pytest.raises(ValueError, match="Q6_K is not one of"):
-        from_gguf_blocks(np.zeros(20, np.uint8), "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="Q5_K is not one of"):
+        from_gguf_blocks(np.zeros(20, np.uint8), "Q5_K", (1, 32))
     with pytest.raises(ValueError, match="need m"):
         BlockQuantWeight("q4", w.codes, w.d, None)
     with pytest.raises(ValueError, match="codes must be"):
