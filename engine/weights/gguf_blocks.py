@@ -1,5 +1,5 @@
-"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K,
-Q6_K).
+"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K).
 
 These stand for exactly the float32 matrices :func:`engine.weights.gguf_loader.load_gguf`
 dequantizes, under the model's fused names (q/k/v in one matrix, gate/up in another, Q/K rows
@@ -50,7 +50,7 @@ def load_gguf_block_weights(path: str, config: ModelConfig) -> dict[str, BlockQu
         return w
 
     def fused(*parts: BlockQuantWeight | None) -> BlockQuantWeight | None:
-        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:  # type: ignore[union-attr]
+        if any(p is None for p in parts) or not BlockQuantWeight.can_fuse(list(parts)):  # type: ignore[arg-type]
             return None
         return BlockQuantWeight.cat(list(parts))  # type: ignore[arg-type]
 

@@ -24,8 +24,12 @@
 #define NUM_PARTIALS 64
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* 4: q4 (4-bit codes, d and m per 32); 8: q8 (int8 codes, d per 32); 16: q8_16 (d per 16) */
-static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16; }
+/* 4: q4 (4-bit codes, d and m per 32, w = d * code + m); 8: q8 (int8 codes, d per 32,
+ * w = d * code); 16: q8_16 (q8 with a d per 16); 9: q8m (int8 codes, d and m per 32, as q4) */
+static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16 || kind == 9; }
+/* the kinds with an offset m, and their code bytes per row */
+static inline int has_m(int kind) { return kind == 4 || kind == 9; }
+static inline int64_t code_bytes(int kind, int64_t k) { return kind == 4 ? k / 2 : k; }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BQ_SIMD 1
@@ -58,11 +62,14 @@ static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) 
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16) */
-static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, vec *w) {
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16); with_m adds m
+ * in the same rounding (q8m) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int with_m, float m,
+                                    vec *w) {
     for (int h = 0; h < 2; h++) {
         const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
-        w[h] = _mm512_mul_ps(_mm512_set1_ps(h ? d_hi : d_lo), _mm512_cvtepi32_ps(v));
+        const __m512 vd = _mm512_set1_ps(h ? d_hi : d_lo), code = _mm512_cvtepi32_ps(v);
+        w[h] = with_m ? _mm512_fmadd_ps(vd, code, _mm512_set1_ps(m)) : _mm512_mul_ps(vd, code);
     }
 }
 
@@ -96,12 +103,15 @@ static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) 
     }
 }
 
-/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16) */
-static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, vec *w) {
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16); with_m adds m
+ * in the same rounding (q8m) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int with_m, float m,
+                                    vec *w) {
     const __m256 vd_lo = _mm256_set1_ps(d_lo), vd_hi = _mm256_set1_ps(d_hi);
     for (int h = 0; h < 4; h++) {
         const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
-        w[h] = _mm256_mul_ps(h < 2 ? vd_lo : vd_hi, _mm256_cvtepi32_ps(v));
+        const __m256 vd = h < 2 ? vd_lo : vd_hi, code = _mm256_cvtepi32_ps(v);
+        w[h] = with_m ? _mm256_fmadd_ps(vd, code, _mm256_set1_ps(m)) : _mm256_mul_ps(vd, code);
     }
 }
 
@@ -134,24 +144,52 @@ static inline void expand_q4(const uint8_t *codes, const float *d, const float *
     }
 }
 
-/* kind 8: a scale per 32 codes; kind 16 (q8_16): one per 16 */
+/* kinds 8 and 9: a scale per 32 codes; kind 16 (q8_16): one per 16 */
 static ALWAYS_INLINE float q8_scale(int kind, const float *d, int64_t b, int hi) {
     return kind == 16 ? d[2 * b + hi] : d[b];
 }
 
-static inline void expand_q8(int kind, const int8_t *codes, const float *d, int64_t k, float *w) {
+/* kind 8, 16 or 9 (m used by 9 only) */
+static inline void expand_q8(int kind, const int8_t *codes, const float *d, const float *m,
+                             int64_t k, float *w) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const int8_t *c = codes + b * QBLOCK;
         float *o = w + b * QBLOCK;
         const float d_lo = q8_scale(kind, d, b, 0), d_hi = q8_scale(kind, d, b, 1);
+        const float mb = kind == 9 ? m[b] : 0.0f;
 #if defined(BQ_SIMD)
         vec p[PIECES];
-        q8_pieces(c, d_lo, d_hi, p);
+        q8_pieces(c, d_lo, d_hi, kind == 9, mb, p);
         for (int i = 0; i < PIECES; i++) vstore(o + i * LANES, p[i]);
 #else
-        for (int j = 0; j < QBLOCK; j++) o[j] = (j < QBLOCK / 2 ? d_lo : d_hi) * (float)c[j];
+        for (int j = 0; j < QBLOCK; j++) {
+            const float dj = j < QBLOCK / 2 ? d_lo : d_hi;
+            o[j] = kind == 9 ? __builtin_fmaf(dj, (float)c[j], mb) : dj * (float)c[j];
+        }
 #endif
     }
+}
+
+/* row j's planes: codes, d and m (NULL for kinds without m), nb = K / 32 */
+static inline void row_planes(int kind, const void *codes, const float *d, const float *m,
+                              int64_t j, int64_t k, const void **cj, const float **dj,
+                              const float **mj) {
+    const int64_t nb = k / QBLOCK;
+    *cj = (const uint8_t *)codes + j * code_bytes(kind, k);
+    *dj = d + j * (kind == 16 ? 2 * nb : nb);
+    *mj = has_m(kind) ? m + j * nb : NULL;
+}
+
+/* the float32 row j */
+static inline void expand_row(int kind, const void *codes, const float *d, const float *m,
+                              int64_t j, int64_t k, float *w) {
+    const void *cj;
+    const float *dj, *mj;
+    row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
+    if (kind == 4)
+        expand_q4((const uint8_t *)cj, dj, mj, k, w);
+    else
+        expand_q8(kind, (const int8_t *)cj, dj, mj, k, w);
 }
 
 #if !defined(BQ_SIMD)
@@ -195,7 +233,7 @@ static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float 
         q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], w);
     else
         q8_pieces((const int8_t *)codes + b * QBLOCK, q8_scale(kind, d, b, 0),
-                  q8_scale(kind, d, b, 1), w);
+                  q8_scale(kind, d, b, 1), kind == 9, kind == 9 ? m[b] : 0.0f, w);
 }
 
 /* res[r] = x[r] . W_row for r < R (R a constant after inlining) */
@@ -250,15 +288,13 @@ static ALWAYS_INLINE void dot_rows_kind(int kind, const float *x, int64_t k, con
 static inline void bq_matmul_for(int kind, const float *x, const void *codes, const float *d,
                                  const float *m, float *out, int64_t rows, int64_t n, int64_t k,
                                  float *w) {
-    const int64_t nb = k / QBLOCK;
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
 #if defined(BQ_SIMD)
         (void)w;
-        const void *cj = kind == 4 ? (const void *)((const uint8_t *)codes + j * (k / 2))
-                                   : (const void *)((const int8_t *)codes + j * k);
-        const float *mj = kind == 4 ? m + j * nb : NULL;
-        const float *dj = d + j * (kind == 16 ? 2 * nb : nb);
+        const void *cj;
+        const float *dj, *mj;
+        row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
         for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
             float res[GROUP];
             const int g = rows - r0 < GROUP ? (int)(rows - r0) : GROUP;
@@ -267,15 +303,14 @@ static inline void bq_matmul_for(int kind, const float *x, const void *codes, co
                 dot_rows_kind(4, x + r0 * k, k, cj, dj, mj, g, res);
             else if (kind == 8)
                 dot_rows_kind(8, x + r0 * k, k, cj, dj, mj, g, res);
-            else
+            else if (kind == 16)
                 dot_rows_kind(16, x + r0 * k, k, cj, dj, mj, g, res);
+            else
+                dot_rows_kind(9, x + r0 * k, k, cj, dj, mj, g, res);
             for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
         }
 #else
-        if (kind == 4)
-            expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, w);
-        else
-            expand_q8(kind, (const int8_t *)codes + j * k, d + j * (kind == 16 ? 2 * nb : nb), k, w);
+        expand_row(kind, codes, d, m, j, k, w);
         for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w, k);
 #endif
     }

@@ -5,7 +5,8 @@
  *   q4: codes uint8 [N, K/2] (byte j of a block holds element j in its low nibble and element
  *       j+16 in its high one), w = d * code + m with float32 d, m [N, K/32] (Q4_0 and Q4_1);
  *   q8: codes int8 [N, K], w = d * code with float32 d [N, K/32] (Q8_0, Q5_0);
- *   q8_16: the same with a d per 16 codes, d [N, K/16] (Q6_K).
+ *   q8_16: the same with a d per 16 codes, d [N, K/16] (Q6_K);
+ *   q8m: codes int8 [N, K], w = d * code + m as q4 (Q5_1, Q5_K).
  * The expanded row is fl(d * code + m), rounded once (fma), which is what gguf's numpy
  * dequantizer produces, so W here is bit-for-bit the float32 matrix a dequantized load holds.
  *
@@ -17,8 +18,8 @@
  */
 #include "block_quant.h"
 
-/* kind 4: q4 (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused). Returns 0, or -1
- * for a bad K or kind. */
+/* kind 4: q4 and 9: q8m (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused).
+ * Returns 0, or -1 for a bad K or kind. */
 int block_quant_matmul(int kind, const float *x, const void *codes, const float *d,
                        const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
     if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
@@ -34,15 +35,8 @@ int block_quant_matmul(int kind, const float *x, const void *codes, const float 
 int block_quant_dequantize(int kind, const void *codes, const float *d, const float *m,
                            float *out, int64_t n, int64_t k) {
     if (k % QBLOCK != 0 || !valid_kind(kind)) return -1;
-    const int64_t nb = k / QBLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        if (kind == 4)
-            expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, out + j * k);
-        else
-            expand_q8(kind, (const int8_t *)codes + j * k, d + j * (kind == 16 ? 2 * nb : nb), k,
-                      out + j * k);
-    }
+    for (int64_t j = 0; j < n; j++) expand_row(kind, codes, d, m, j, k, out + j * k);
     return 0;
 }
 

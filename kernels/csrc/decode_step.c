@@ -22,7 +22,7 @@
 #include "row_ops.h"
 
 typedef struct {
-    int32_t kind; /* 4 (q4), 8 (q8) or 16 (q8_16) */
+    int32_t kind; /* 4 (q4), 8 (q8), 16 (q8_16) or 9 (q8m), see block_quant.h */
     int32_t pad;
     const void *codes;
     const float *d, *m;

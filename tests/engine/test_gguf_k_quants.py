@@ -1,5 +1,5 @@
-"""A Q4_K_M file from llama.cpp's own quantizer on the block path, bit for bit with gguf-py's
-dequantization and with the float32 load.
+"""Q4_K_M and Q5_K_M files from llama.cpp's own quantizer on the block path, bit for bit with
+gguf-py's dequantization and with the float32 load.
 
 llama.cpp lives in the benchmark's venv (bash bench/setup_peers.sh; PREFIXRAG_PEERS_VENV moves
 it); without it these tests skip, and tests/kernels covers Q4_K with blocks written by hand.
@@ -31,7 +31,7 @@ PEERS_VENV = Path(os.environ.get("PREFIXRAG_PEERS_VENV", ROOT / ".venv-peers"))
 QUANTIZE = """
 import ctypes, sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
 params.allow_requantize = True
 params.nthread = 1
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
@@ -39,26 +39,31 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 """
 
 
-@pytest.fixture(scope="module")
-def q4_k_m_path(tmp_path_factory) -> str:
+# the file type, and the types of its 1,536-wide ffn_down (a K-quant and Q6_K in places)
+FILE_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}
+KIND_OF = {"Q4_K": "q4", "Q5_K": "q8m", "Q6_K": "q8_16"}
+
+
+@pytest.fixture(scope="module", params=list(FILE_TYPES))
+def k_quant_path(request, tmp_path_factory) -> str:
     python = PEERS_VENV / "bin" / "python"
     if not python.is_file():
         pytest.skip(f"no llama.cpp peer venv at {PEERS_VENV} (bash bench/setup_peers.sh)")
-    out = tmp_path_factory.mktemp("q4_k_m") / "model.Q4_K_M.gguf"
+    out = tmp_path_factory.mktemp("k_quants") / f"model.{request.param}.gguf"
     done = subprocess.run(
-        [str(python), "-c", QUANTIZE, str(packaged_llm_path()), str(out)],
+        [str(python), "-c", QUANTIZE, str(packaged_llm_path()), str(out), request.param],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return str(out)
 
 
-def test_block_tensors_repack_bit_for_bit(q4_k_m_path):
+def test_block_tensors_repack_bit_for_bit(k_quant_path):
     # llama.cpp gives K-quants only to rows that are whole super-blocks (K % 256 == 0, here the
-    # 1,536-wide ffn_down); the 576-wide rest falls back to Q5_0 / Q8_0
-    reader = gguf.GGUFReader(q4_k_m_path)
+    # 1,536-wide ffn_down); the 576-wide rest falls back to Q5_0, Q5_1 or Q8_0
+    reader = gguf.GGUFReader(k_quant_path)
     types = {t.tensor_type.name for t in reader.tensors}
-    assert {"Q4_K", "Q6_K", "Q5_0"} <= types
+    assert "Q6_K" in types and types & {"Q4_K", "Q5_K"}
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             continue
@@ -83,21 +88,19 @@ def dense_parts(name: str, dense: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([dense[p + part + ".weight"] for part in parts])
 
 
-def test_block_weights_are_the_dense_load(q4_k_m_path):
-    config, dense = load_gguf(q4_k_m_path)
-    blocks = load_gguf_block_weights(q4_k_m_path, config)
-    reader = gguf.GGUFReader(q4_k_m_path)
+def test_block_weights_are_the_dense_load(k_quant_path):
+    config, dense = load_gguf(k_quant_path)
+    blocks = load_gguf_block_weights(k_quant_path, config)
+    reader = gguf.GGUFReader(k_quant_path)
     down_types = {
         int(t.name.split(".")[1]): t.tensor_type.name
         for t in reader.tensors
         if t.name.endswith("ffn_down.weight")
     }
-    assert set(down_types.values()) == {"Q4_K", "Q6_K"}
+    assert set(down_types.values()) in FILE_TYPES.values()
     for i, gguf_type in down_types.items():
-        assert (
-            blocks[f"layers.{i}.mlp.down_weight"].kind == {"Q4_K": "q4", "Q6_K": "q8_16"}[gguf_type]
-        )
-    # every matrix stays in blocks: Q5_0 and Q8_0 attention parts fuse (both q8)
+        assert blocks[f"layers.{i}.mlp.down_weight"].kind == KIND_OF[gguf_type]
+    # every matrix stays in blocks (Q5_0 and Q8_0 attention parts fuse: both are q8)
     assert len(blocks) == 4 * config.num_layers + 1
     for name, w in blocks.items():
         assert torch.equal(block_quant_dequantize(w), dense_parts(name, dense)), name
