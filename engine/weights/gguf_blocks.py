@@ -14,12 +14,8 @@ import torch
 
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
-from prefixrag.kernels.block_quant_matmul import (
-    MAX_K,
-    SUPPORTED_GGUF_TYPES,
-    BlockQuantWeight,
-    from_gguf_blocks,
-)
+from prefixrag.kernels.block_quant_matmul import MAX_K, BlockQuantWeight
+from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
 
 
 def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:

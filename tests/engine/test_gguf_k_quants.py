@@ -19,11 +19,8 @@ import torch
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 from prefixrag.engine.weights.gguf_loader import load_gguf
-from prefixrag.kernels.block_quant_matmul import (
-    SUPPORTED_GGUF_TYPES,
-    block_quant_dequantize,
-    from_gguf_blocks,
-)
+from prefixrag.kernels.block_quant_matmul import block_quant_dequantize
+from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_VENV = Path(os.environ.get("PREFIXRAG_PEERS_VENV", ROOT / ".venv-peers"))

@@ -15,9 +15,9 @@ from prefixrag.kernels.block_quant_matmul import (
     block_quant_matmul_torch,
     dequantize_torch,
     fixed_order_matmul,
-    from_gguf_blocks,
     simd_lanes,
 )
+from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
 
 # every C path this host can run must agree: native (AVX-512 where the host has it), the AVX2
