@@ -128,7 +128,7 @@ def resolve_weight_quant(
 ) -> str:
     """``auto`` is ``gguf`` for a ``.gguf`` checkpoint on CPU in float32 (when the C kernels
     build), ``none`` otherwise; int8 needs CPU; ``gguf`` (keep a GGUF file's own
-    Q4_0/Q4_1/Q8_0 blocks) needs CPU and float32.
+    Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks) needs CPU and float32.
 
     Raises ValueError for an unknown choice, or int8 or gguf where they cannot run.
     """

@@ -1,8 +1,9 @@
-"""Matmul with GGUF block-quantized weights on CPU (Q4_0, Q4_1, Q8_0), beside its torch reference.
+"""Matmul with GGUF block-quantized weights on CPU, beside its torch reference.
 
 A :class:`BlockQuantWeight` keeps a weight matrix [N, K] in the checkpoint's own 32-element
 blocks, split into planes the kernel reads directly: 4-bit codes and per-block float32 scale ``d``
-and offset ``m`` (w = d * code + m), or int8 codes and ``d`` (w = d * code). For
+and offset ``m`` (w = d * code + m), or int8 codes and ``d`` (w = d * code, d per 16 or 32
+codes) and optionally ``m``; kernels/gguf_planes.py turns GGUF tensors into them. For
 SmolLM2's Q4_1 layers that is 0.75 bytes a weight instead of float32's 4, and decode, which must
 read every weight once per step, is bandwidth-bound. The float32 matrix it stands for is exactly
 gguf's dequantization, so logits stay those of the dequantized model up to summation order.
@@ -16,23 +17,23 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 QBLOCK = 32
 MAX_K = 16384
-_KIND = {"q4": 4, "q8": 8}
-# GGUF block sizes in bytes: fp16 d [, fp16 m], codes
-_Q4_0_BYTES, _Q4_1_BYTES, _Q8_0_BYTES = 18, 20, 34
-SUPPORTED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_KIND = {"q4": 4, "q8": 8, "q8_16": 16, "q8m": 9}
+# elements per scale: q8_16 is q8 with a d per 16 codes (Q6_K's sub-blocks)
+_SCALE_BLOCK = {"q4": QBLOCK, "q8": QBLOCK, "q8_16": QBLOCK // 2, "q8m": QBLOCK}
+_WITH_M = ("q4", "q8m")
 
 
 @dataclass(slots=True)
 class BlockQuantWeight:
     """A [N, K] matrix as block planes: ``kind`` ``q4`` (codes uint8 [N, K/2], d and m float32
-    [N, K/32]) or ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None)."""
+    [N, K/32]), ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None), ``q8_16`` (as q8 with
+    d [N, K/16]) or ``q8m`` (as q8 with m, w = d * code + m as q4)."""
 
     kind: str
     codes: torch.Tensor
@@ -43,28 +44,26 @@ class BlockQuantWeight:
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND:
-            raise ValueError(f"kind must be q4 or q8, got {self.kind!r}")
+            raise ValueError(f"kind must be one of {', '.join(_KIND)}, got {self.kind!r}")
         if self.d.dtype != torch.float32 or self.d.dim() != 2:
-            raise ValueError("d must be a 2-D float32 tensor [N, K/32]")
-        n, nb = self.d.shape
-        want = (
-            (torch.uint8, (n, nb * QBLOCK // 2))
-            if self.kind == "q4"
-            else (torch.int8, (n, nb * QBLOCK))
-        )
+            raise ValueError("d must be a 2-D float32 tensor [N, K/32] (q8_16: [N, K/16])")
+        n, k = self.shape
+        if k % QBLOCK:
+            raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
+        want = (torch.uint8, (n, k // 2)) if self.kind == "q4" else (torch.int8, (n, k))
         if self.codes.dtype != want[0] or tuple(self.codes.shape) != want[1]:
             raise ValueError(
                 f"{self.kind} codes must be {want[0]} {want[1]}, "
                 f"got {self.codes.dtype} {tuple(self.codes.shape)}"
             )
-        if (self.kind == "q4") != (self.m is not None):
-            raise ValueError("q4 weights need m; q8 weights take none")
+        if (self.kind in _WITH_M) != (self.m is not None):
+            raise ValueError("q4 and q8m weights need m; q8 and q8_16 weights take none")
         if self.m is not None and self.m.shape != self.d.shape:
             raise ValueError(f"m {tuple(self.m.shape)} must match d {tuple(self.d.shape)}")
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.d.shape[0], self.d.shape[1] * QBLOCK))
+        return torch.Size((self.d.shape[0], self.d.shape[1] * _SCALE_BLOCK[self.kind]))
 
     def select_rows(self, index: torch.Tensor) -> BlockQuantWeight:
         """The rows ``index`` (a row permutation or a subset), as a new weight."""
@@ -73,12 +72,27 @@ class BlockQuantWeight:
             self.kind, self.codes[index].contiguous(), self.d[index].contiguous(), m
         )
 
+    def as_q8m(self) -> BlockQuantWeight:
+        """A q8 weight as q8m with m = -0.0: fma(d, c, -0.0) is d * c exactly, zero signs too."""
+        if self.kind != "q8":
+            raise ValueError(f"only q8 converts to q8m, not {self.kind}")
+        return BlockQuantWeight("q8m", self.codes, self.d, torch.full_like(self.d, -0.0))
+
+    @staticmethod
+    def can_fuse(parts: list[BlockQuantWeight]) -> bool:
+        """True when :meth:`cat` takes these: one kind, or q8 beside q8m (a Q5_1 q beside a
+        Q8_0 v, say), and one K."""
+        kinds = {p.kind for p in parts}
+        return (len(kinds) == 1 or kinds == {"q8", "q8m"}) and len({p.shape[1] for p in parts}) == 1
+
     @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stack weights of one kind and K along N (fused q/k/v, gate/up)."""
-        kinds = {p.kind for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)}")
+        """Stack weights of one K along N (fused q/k/v, gate/up); see :meth:`can_fuse`."""
+        if not BlockQuantWeight.can_fuse(parts):
+            kinds = sorted({p.kind for p in parts})
+            raise ValueError(f"cannot fuse weights of kinds {kinds} or of different K")
+        if len({p.kind for p in parts}) > 1:
+            parts = [p.as_q8m() if p.kind == "q8" else p for p in parts]
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
         return BlockQuantWeight(
             parts[0].kind,
@@ -88,37 +102,13 @@ class BlockQuantWeight:
         )
 
 
-def from_gguf_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> BlockQuantWeight:
-    """Split a GGUF tensor's raw blocks (uint8, any shape) of ``gguf_type`` into planes.
-
-    ``shape`` is (N, K), rows first, as gguf's dequantizer returns the matrix.
-    """
-    n, k = shape
-    if k % QBLOCK:
-        raise ValueError(f"K = {k} is not a multiple of the block size {QBLOCK}")
-    size = {"Q4_0": _Q4_0_BYTES, "Q4_1": _Q4_1_BYTES, "Q8_0": _Q8_0_BYTES}.get(gguf_type)
-    if size is None:
-        raise ValueError(f"{gguf_type} is not one of {', '.join(SUPPORTED_GGUF_TYPES)}")
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // QBLOCK, size)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if gguf_type == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return BlockQuantWeight("q8", torch.from_numpy(codes), torch.from_numpy(d), None)
-    if gguf_type == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = blocks[..., 4:]
-    else:  # Q4_0: w = d * (code - 8) = d * code + (-8 d), exact in float32
-        m = -8.0 * d
-        codes = blocks[..., 2:]
-    codes = np.ascontiguousarray(codes).reshape(n, k // 2)
-    return BlockQuantWeight("q4", torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
-
-
 def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:
     """The float32 matrix [N, K] in torch (the reference)."""
     n, k = w.shape
-    d = w.d.repeat_interleave(QBLOCK, dim=1)
-    if w.kind == "q8":
+    d = w.d.repeat_interleave(_SCALE_BLOCK[w.kind], dim=1)
+    if w.kind == "q8m":
+        return torch.addcmul(w.m.repeat_interleave(QBLOCK, dim=1), d, w.codes.float())  # type: ignore[union-attr]
+    if w.kind != "q4":
         return w.codes.float() * d
     blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
     codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(n, k).float()
@@ -149,8 +139,9 @@ def block_quant_matmul(
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 x [..., K] -> [..., N], the weight expanded row by row in cache.
 
-    A row's result does not depend on how many rows share the call. ``flags`` picks the build
-    (tests build the portable path with ``-mno-avx512f``).
+    A row's result does not depend on how many rows share the call, nor on the SIMD path the
+    build took. ``flags`` picks the build (tests build the AVX2 path with ``-mno-avx512f`` and
+    the portable one with ``-mno-avx512f -mno-avx2``).
     """
     _check(x, w)
     n, k = w.shape
@@ -165,6 +156,34 @@ def block_quant_matmul(
         if rc != 0:
             raise ValueError(f"block_quant_matmul rejected K = {k}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def fixed_order_matmul(
+    x: torch.Tensor, w: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """``x @ w.T`` for float32 x [M, K] and w [N, K], each dot product summed in the block
+    kernel's fixed order: ``block_quant_matmul(x, bw)`` equals it over ``bw``'s dequantized
+    matrix, bit for bit, with the same ``flags``."""
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"x and w must be float32, got {x.dtype} and {w.dtype}")
+    (m, k), n = x.shape, w.shape[0]
+    if w.shape[1] != k or k % QBLOCK:
+        raise ValueError(f"K must match and be a multiple of {QBLOCK}: {k}, {w.shape[1]}")
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib = load_library("block_quant_matmul.c", flags)
+    rc = lib.fixed_order_matmul(
+        _ptr(x), _ptr(w), _ptr(out),
+        ctypes.c_int64(m), ctypes.c_int64(n), ctypes.c_int64(k),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"fixed_order_matmul rejected K = {k}")
+    return out
+
+
+def simd_lanes(flags: tuple[str, ...] = DEFAULT_FLAGS) -> int:
+    """The vector width the build with ``flags`` took: 16 (AVX-512), 8 (AVX2+FMA), 1 (portable)."""
+    return int(load_library("block_quant_matmul.c", flags).block_quant_lanes())
 
 
 def block_quant_dequantize(

@@ -1,4 +1,5 @@
-"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0).
+"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K).
 
 These stand for exactly the float32 matrices :func:`engine.weights.gguf_loader.load_gguf`
 dequantizes, under the model's fused names (q/k/v in one matrix, gate/up in another, Q/K rows
@@ -13,12 +14,8 @@ import torch
 
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
-from prefixrag.kernels.block_quant_matmul import (
-    MAX_K,
-    SUPPORTED_GGUF_TYPES,
-    BlockQuantWeight,
-    from_gguf_blocks,
-)
+from prefixrag.kernels.block_quant_matmul import MAX_K, BlockQuantWeight
+from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
 
 
 def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:
@@ -49,7 +46,7 @@ def load_gguf_block_weights(path: str, config: ModelConfig) -> dict[str, BlockQu
         return w
 
     def fused(*parts: BlockQuantWeight | None) -> BlockQuantWeight | None:
-        if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:  # type: ignore[union-attr]
+        if any(p is None for p in parts) or not BlockQuantWeight.can_fuse(list(parts)):  # type: ignore[arg-type]
             return None
         return BlockQuantWeight.cat(list(parts))  # type: ignore[arg-type]
 

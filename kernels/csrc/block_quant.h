@@ -1,29 +1,140 @@
-/* GGUF-style block weights (see block_quant_matmul.c): expansion of one weight row to float32 in
- * cache, the fixed-order dot product, and the matmul as an OpenMP worksharing loop, so callers
- * that already run inside a parallel region (decode_step.c) split N without a fork per matmul.
+/* GGUF-style block weights (see block_quant_matmul.c): expansion of one weight row to float32,
+ * the fixed-order dot product, and the matmul as an OpenMP worksharing loop, so callers that
+ * already run inside a parallel region (decode_step.c) split N without a fork per matmul.
+ *
+ * The fixed order, the same on every path (AVX-512, AVX2+FMA, portable), so a result depends
+ * neither on the batch, nor on the thread split, nor on which of the paths the host compiled:
+ *   - 64 partial sums, p[j] = fma-chain over k = 64 i + j in increasing i (a K that is an odd
+ *     number of blocks ends with a half round that feeds p[0..31] only);
+ *   - s[l] = ((p[l] + p[16+l]) + (p[32+l] + p[48+l])) + ((p[8+l] + p[24+l]) + (p[40+l] + p[56+l]))
+ *     for l < 8, then u[l] = s[l] + s[l+4] for l < 4, then (u[0] + u[2]) + (u[1] + u[3]).
+ * In vector terms: lane l of accumulator a holds p[LANES * a + l] (4 x 16 lanes, 8 x 8 lanes);
+ * the AVX-512 path adds (acc0 + acc1) + (acc2 + acc3) and folds 512 -> 256 bits, the AVX2 path
+ * adds ((acc0 + acc2) + (acc4 + acc6)) + ((acc1 + acc3) + (acc5 + acc7)); both then fold 256 ->
+ * 128 bits and finish with hsum8's two steps. That is also the order of GCC's
+ * _mm512_reduce_add_ps, which the AVX-512 path used before the AVX2 path existed.
  */
 #ifndef PREFIXRAG_BLOCK_QUANT_H
 #define PREFIXRAG_BLOCK_QUANT_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define QBLOCK 32
 #define MAX_K 16384
+#define NUM_PARTIALS 64
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* 4: q4 (4-bit codes, d and m per 32, w = d * code + m); 8: q8 (int8 codes, d per 32,
+ * w = d * code); 16: q8_16 (q8 with a d per 16); 9: q8m (int8 codes, d and m per 32, as q4) */
+static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16 || kind == 9; }
+/* the kinds with an offset m, and their code bytes per row */
+static inline int has_m(int kind) { return kind == 4 || kind == 9; }
+static inline int64_t code_bytes(int kind, int64_t k) { return kind == 4 ? k / 2 : k; }
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define BQ_SIMD 1
+#include <immintrin.h>
+
+/* 8 lanes to one float: lanes l and l + 4, then (u0 + u2) + (u1 + u3) */
+static ALWAYS_INLINE float hsum8(__m256 t) {
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* A q4 block's 16 possible weights fl(d * c + m) are one vector; its codes index into it
+ * (vpermps reads the low four bits of each lane). */
+#define LANES 16
+#define GROUP 4
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+
+static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    w[0] = _mm512_permutexvar_ps(v, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16); with_m adds m
+ * in the same rounding (q8m) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int with_m, float m,
+                                    vec *w) {
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
+        const __m512 vd = _mm512_set1_ps(h ? d_hi : d_lo), code = _mm512_cvtepi32_ps(v);
+        w[h] = with_m ? _mm512_fmadd_ps(vd, code, _mm512_set1_ps(m)) : _mm512_mul_ps(vd, code);
+    }
+}
+
+static ALWAYS_INLINE float reduce_partials(const vec *acc) {
+    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(s), hi));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* NOTE: AVX2 has no 16-lane permute, and a 16-entry table from two 8-lane permutes and a blend
+ * costs more than converting the codes (cvtdq2ps + fma), so the codes are converted. GROUP is 2:
+ * eight accumulators a row, so two rows fill the 16 ymm registers (the compiler spills a few);
+ * measured at 4 rows, GROUP 2 beat 1 and 4 by about 1.5x. */
+#define LANES 8
+#define GROUP 2
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+
+/* bytes 8h..8h+7 hold elements 8h.. (low nibbles) and 16+8h.. (high): pieces h and h + 2 */
+static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, vec *w) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+        w[h] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), vm);
+        w[h + 2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), vm);
+    }
+}
+
+/* d_lo scales elements 0..15, d_hi 16..31 (the same d for q8, two for q8_16); with_m adds m
+ * in the same rounding (q8m) */
+static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int with_m, float m,
+                                    vec *w) {
+    const __m256 vd_lo = _mm256_set1_ps(d_lo), vd_hi = _mm256_set1_ps(d_hi);
+    for (int h = 0; h < 4; h++) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+        const __m256 vd = h < 2 ? vd_lo : vd_hi, code = _mm256_cvtepi32_ps(v);
+        w[h] = with_m ? _mm256_fmadd_ps(vd, code, _mm256_set1_ps(m)) : _mm256_mul_ps(vd, code);
+    }
+}
+
+static ALWAYS_INLINE float reduce_partials(const vec *acc) {
+    const __m256 even = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[4], acc[6]));
+    const __m256 odd = _mm256_add_ps(_mm256_add_ps(acc[1], acc[3]), _mm256_add_ps(acc[5], acc[7]));
+    return hsum8(_mm256_add_ps(even, odd));
+}
+#endif
+
+#if defined(BQ_SIMD)
+#define PIECES (QBLOCK / LANES)      /* vectors per block */
+#define NACC (NUM_PARTIALS / LANES) /* accumulators: one round of them covers two blocks */
+#endif
 
 static inline void expand_q4(const uint8_t *codes, const float *d, const float *m, int64_t k, float *w) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const uint8_t *c = codes + b * (QBLOCK / 2);
         float *o = w + b * QBLOCK;
-#if defined(__AVX512F__)
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        __m512 vd = _mm512_set1_ps(d[b]), vm = _mm512_set1_ps(m[b]);
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(vd, lo, vm));
-        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(vd, hi, vm));
+#if defined(BQ_SIMD)
+        vec p[PIECES];
+        q4_pieces(c, d[b], m[b], p);
+        for (int i = 0; i < PIECES; i++) vstore(o + i * LANES, p[i]);
 #else
         for (int j = 0; j < QBLOCK / 2; j++) {
             o[j] = __builtin_fmaf(d[b], (float)(c[j] & 15), m[b]);
@@ -33,118 +144,140 @@ static inline void expand_q4(const uint8_t *codes, const float *d, const float *
     }
 }
 
-static inline void expand_q8(const int8_t *codes, const float *d, int64_t k, float *w) {
+/* kinds 8 and 9: a scale per 32 codes; kind 16 (q8_16): one per 16 */
+static ALWAYS_INLINE float q8_scale(int kind, const float *d, int64_t b, int hi) {
+    return kind == 16 ? d[2 * b + hi] : d[b];
+}
+
+/* kind 8, 16 or 9 (m used by 9 only) */
+static inline void expand_q8(int kind, const int8_t *codes, const float *d, const float *m,
+                             int64_t k, float *w) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const int8_t *c = codes + b * QBLOCK;
         float *o = w + b * QBLOCK;
-#if defined(__AVX512F__)
-        __m512 vd = _mm512_set1_ps(d[b]);
-        for (int h = 0; h < QBLOCK; h += 16) {
-            __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + h)));
-            _mm512_storeu_ps(o + h, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v)));
-        }
+        const float d_lo = q8_scale(kind, d, b, 0), d_hi = q8_scale(kind, d, b, 1);
+        const float mb = kind == 9 ? m[b] : 0.0f;
+#if defined(BQ_SIMD)
+        vec p[PIECES];
+        q8_pieces(c, d_lo, d_hi, kind == 9, mb, p);
+        for (int i = 0; i < PIECES; i++) vstore(o + i * LANES, p[i]);
 #else
-        for (int j = 0; j < QBLOCK; j++) o[j] = d[b] * (float)c[j];
+        for (int j = 0; j < QBLOCK; j++) {
+            const float dj = j < QBLOCK / 2 ? d_lo : d_hi;
+            o[j] = kind == 9 ? __builtin_fmaf(dj, (float)c[j], mb) : dj * (float)c[j];
+        }
 #endif
     }
 }
 
-/* k is a multiple of 32; the fixed order: lane l of accumulator a sums k = 64*i + 16*a + l. */
-static inline float dot(const float *x, const float *w, int64_t k) {
-#if defined(__AVX512F__)
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64)
-        for (int a = 0; a < 4; a++)
-            acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * a),
-                                     _mm512_loadu_ps(w + i + 16 * a), acc[a]);
-    for (int a = 0; i < k; i += 16, a++)
-        acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), acc[a]);
-    __m512 s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    return _mm512_reduce_add_ps(s);
-#else
-    float acc[64] = {0};
-    for (int64_t i = 0; i < k; i += 64)
-        for (int j = 0; j < 64 && i + j < k; j++) acc[j] = __builtin_fmaf(x[i + j], w[i + j], acc[j]);
-    float s = 0.0f;
-    for (int j = 0; j < 64; j++) s += acc[j];
-    return s;
-#endif
+/* row j's planes: codes, d and m (NULL for kinds without m), nb = K / 32 */
+static inline void row_planes(int kind, const void *codes, const float *d, const float *m,
+                              int64_t j, int64_t k, const void **cj, const float **dj,
+                              const float **mj) {
+    const int64_t nb = k / QBLOCK;
+    *cj = (const uint8_t *)codes + j * code_bytes(kind, k);
+    *dj = d + j * (kind == 16 ? 2 * nb : nb);
+    *mj = has_m(kind) ? m + j * nb : NULL;
 }
 
-#if defined(__AVX512F__)
-/* The AVX-512 matmul never stores an expanded row: each block's two 16-lane pieces of w go
- * straight from registers into the accumulators of up to GROUP rows of x, in dot()'s order
- * (even blocks feed accumulators 0 and 1, odd blocks 2 and 3), so every result is bit-identical
- * to dot() over the expanded row. A q4 block's 16 possible weights fl(d * c + m) are one
- * vector; its codes index into it (vpermps reads the low four bits of each lane). */
-#define GROUP 4
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-static ALWAYS_INLINE void q4_pieces(const uint8_t *c, float d, float m, __m512 *lo, __m512 *hi) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    *lo = _mm512_permutexvar_ps(v, table);
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-}
-
-static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d, __m512 *lo, __m512 *hi) {
-    const __m512 vd = _mm512_set1_ps(d);
-    *lo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))));
-    *hi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))));
-}
-
-static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float *d, const float *m,
-                                       int64_t b, __m512 *lo, __m512 *hi) {
+/* the float32 row j */
+static inline void expand_row(int kind, const void *codes, const float *d, const float *m,
+                              int64_t j, int64_t k, float *w) {
+    const void *cj;
+    const float *dj, *mj;
+    row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
     if (kind == 4)
-        q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], lo, hi);
+        expand_q4((const uint8_t *)cj, dj, mj, k, w);
     else
-        q8_pieces((const int8_t *)codes + b * QBLOCK, d[b], lo, hi);
+        expand_q8(kind, (const int8_t *)cj, dj, mj, k, w);
+}
+
+#if !defined(BQ_SIMD)
+static inline float reduce_partials(const float *p) {
+    float s[8], u[4];
+    for (int l = 0; l < 8; l++)
+        s[l] = ((p[l] + p[16 + l]) + (p[32 + l] + p[48 + l])) +
+               ((p[8 + l] + p[24 + l]) + (p[40 + l] + p[56 + l]));
+    for (int l = 0; l < 4; l++) u[l] = s[l] + s[l + 4];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+#endif
+
+/* x . w over k floats (k a multiple of 32) in the fixed order */
+static inline float dot(const float *x, const float *w, int64_t k) {
+    int64_t i = 0;
+#if defined(BQ_SIMD)
+    vec acc[NACC];
+    for (int a = 0; a < NACC; a++) acc[a] = vzero();
+    for (; i + NUM_PARTIALS <= k; i += NUM_PARTIALS)
+        for (int a = 0; a < NACC; a++)
+            acc[a] = vfma(vload(x + i + LANES * a), vload(w + i + LANES * a), acc[a]);
+    for (int a = 0; i < k; i += LANES, a++) acc[a] = vfma(vload(x + i), vload(w + i), acc[a]);
+#else
+    float acc[NUM_PARTIALS] = {0};
+    for (; i + NUM_PARTIALS <= k; i += NUM_PARTIALS)
+        for (int j = 0; j < NUM_PARTIALS; j++) acc[j] = __builtin_fmaf(x[i + j], w[i + j], acc[j]);
+    for (int j = 0; i + j < k; j++) acc[j] = __builtin_fmaf(x[i + j], w[i + j], acc[j]);
+#endif
+    return reduce_partials(acc);
+}
+
+#if defined(BQ_SIMD)
+/* The SIMD matmul never stores an expanded row: each block's pieces of w go straight from
+ * registers into the accumulators of up to GROUP rows of x, in dot()'s order (even blocks feed
+ * the first half of the accumulators, odd blocks the second), so every result is bit-identical
+ * to dot() over the expanded row, and a block is unpacked once per GROUP rows. */
+static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float *d, const float *m,
+                                       int64_t b, vec *w) {
+    if (kind == 4)
+        q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], w);
+    else
+        q8_pieces((const int8_t *)codes + b * QBLOCK, q8_scale(kind, d, b, 0),
+                  q8_scale(kind, d, b, 1), kind == 9, kind == 9 ? m[b] : 0.0f, w);
 }
 
 /* res[r] = x[r] . W_row for r < R (R a constant after inlining) */
 static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const void *codes,
                                    const float *d, const float *m, const int R, float *res) {
-    __m512 acc[GROUP][4];
+    vec acc[GROUP][NACC];
     for (int r = 0; r < R; r++)
-        for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+        for (int a = 0; a < NACC; a++) acc[r][a] = vzero();
     const int64_t nb = k / QBLOCK;
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        __m512 w0, w1, w2, w3;
-        block_pieces(kind, codes, d, m, b, &w0, &w1);
-        block_pieces(kind, codes, d, m, b + 1, &w2, &w3);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * k + b * QBLOCK;
-            acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 32), w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 48), w3, acc[r][3]);
+    /* constant accumulator indices (a pair of blocks a round) keep acc in registers */
+    for (; b + 2 <= nb; b += 2)
+        for (int half = 0; half < 2; half++) {
+            vec w[PIECES];
+            block_pieces(kind, codes, d, m, b + half, w);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * k + (b + half) * QBLOCK;
+                for (int i = 0; i < PIECES; i++) {
+                    vec *a = &acc[r][half * PIECES + i];
+                    *a = vfma(vload(xr + LANES * i), w[i], *a);
+                }
+            }
         }
-    }
     if (b < nb) {
-        __m512 w0, w1;
-        block_pieces(kind, codes, d, m, b, &w0, &w1);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * k + b * QBLOCK;
-            acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r][1]);
-        }
+        vec w[PIECES];
+        block_pieces(kind, codes, d, m, b, w);
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < PIECES; i++)
+                acc[r][i] = vfma(vload(x + r * k + b * QBLOCK + LANES * i), w[i], acc[r][i]);
     }
-    for (int r = 0; r < R; r++)
-        res[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                                    _mm512_add_ps(acc[r][2], acc[r][3])));
+    for (int r = 0; r < R; r++) res[r] = reduce_partials(acc[r]);
 }
 
 static ALWAYS_INLINE void dot_rows_kind(int kind, const float *x, int64_t k, const void *codes,
                                         const float *d, const float *m, int rows, float *res) {
     switch (rows) {
     case 1: dot_rows(kind, x, k, codes, d, m, 1, res); break;
+#if GROUP > 2
     case 2: dot_rows(kind, x, k, codes, d, m, 2, res); break;
+#endif
+#if GROUP > 3
     case 3: dot_rows(kind, x, k, codes, d, m, 3, res); break;
-    default: dot_rows(kind, x, k, codes, d, m, 4, res); break;
+#endif
+    default: dot_rows(kind, x, k, codes, d, m, GROUP, res); break;
     }
 }
 #endif
@@ -155,28 +288,29 @@ static ALWAYS_INLINE void dot_rows_kind(int kind, const float *x, int64_t k, con
 static inline void bq_matmul_for(int kind, const float *x, const void *codes, const float *d,
                                  const float *m, float *out, int64_t rows, int64_t n, int64_t k,
                                  float *w) {
-    const int64_t nb = k / QBLOCK;
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
-#if defined(__AVX512F__)
+#if defined(BQ_SIMD)
         (void)w;
-        const void *cj = kind == 4 ? (const void *)((const uint8_t *)codes + j * (k / 2))
-                                   : (const void *)((const int8_t *)codes + j * k);
-        const float *mj = kind == 4 ? m + j * nb : NULL;
+        const void *cj;
+        const float *dj, *mj;
+        row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
         for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
             float res[GROUP];
             const int g = rows - r0 < GROUP ? (int)(rows - r0) : GROUP;
+            /* a constant kind per call: each gets its own inlined loop */
             if (kind == 4)
-                dot_rows_kind(4, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+                dot_rows_kind(4, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == 8)
+                dot_rows_kind(8, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == 16)
+                dot_rows_kind(16, x + r0 * k, k, cj, dj, mj, g, res);
             else
-                dot_rows_kind(8, x + r0 * k, k, cj, d + j * nb, mj, g, res);
+                dot_rows_kind(9, x + r0 * k, k, cj, dj, mj, g, res);
             for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
         }
 #else
-        if (kind == 4)
-            expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, w);
-        else
-            expand_q8((const int8_t *)codes + j * k, d + j * nb, k, w);
+        expand_row(kind, codes, d, m, j, k, w);
         for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w, k);
 #endif
     }

@@ -4,21 +4,25 @@
  * expanded to float32 in L1 right before use:
  *   q4: codes uint8 [N, K/2] (byte j of a block holds element j in its low nibble and element
  *       j+16 in its high one), w = d * code + m with float32 d, m [N, K/32] (Q4_0 and Q4_1);
- *   q8: codes int8 [N, K], w = d * code with float32 d [N, K/32] (Q8_0).
+ *   q8: codes int8 [N, K], w = d * code with float32 d [N, K/32] (Q8_0, Q5_0);
+ *   q8_16: the same with a d per 16 codes, d [N, K/16] (Q6_K);
+ *   q8m: codes int8 [N, K], w = d * code + m as q4 (Q5_1, Q5_K).
  * The expanded row is fl(d * code + m), rounded once (fma), which is what gguf's numpy
  * dequantizer produces, so W here is bit-for-bit the float32 matrix a dequantized load holds.
  *
- * Every dot product runs in one fixed order (four 16-lane accumulators over k, then a fixed
- * reduction), whatever M is and however rows are split between threads: a token's logits do not
- * depend on what else shares its batch. Threads split N through OpenMP; the library links the
- * libgomp torch already loaded, so torch and this kernel share one thread pool.
+ * Every dot product runs in one fixed order (64 partial sums over k, then a fixed reduction; see
+ * block_quant.h), whatever M is, however rows are split between threads and whichever SIMD path
+ * the host compiled: a token's logits do not depend on what else shares its batch. Threads split
+ * N through OpenMP; the library links the libgomp torch already loaded, so torch and this kernel
+ * share one thread pool.
  */
 #include "block_quant.h"
 
-/* kind 4: q4 (codes, d, m); kind 8: q8 (codes, d; m unused). Returns 0, or -1 for a bad K. */
+/* kind 4: q4 and 9: q8m (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused).
+ * Returns 0, or -1 for a bad K or kind. */
 int block_quant_matmul(int kind, const float *x, const void *codes, const float *d,
                        const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
-    if (k % QBLOCK != 0 || k > MAX_K || (kind != 4 && kind != 8)) return -1;
+    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
@@ -30,14 +34,28 @@ int block_quant_matmul(int kind, const float *x, const void *codes, const float 
 /* The float32 matrix itself, [N, K] (prefill hands it to a GEMM). */
 int block_quant_dequantize(int kind, const void *codes, const float *d, const float *m,
                            float *out, int64_t n, int64_t k) {
-    if (k % QBLOCK != 0 || (kind != 4 && kind != 8)) return -1;
-    const int64_t nb = k / QBLOCK;
+    if (k % QBLOCK != 0 || !valid_kind(kind)) return -1;
 #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        if (kind == 4)
-            expand_q4((const uint8_t *)codes + j * (k / 2), d + j * nb, m + j * nb, k, out + j * k);
-        else
-            expand_q8((const int8_t *)codes + j * k, d + j * nb, k, out + j * k);
-    }
+    for (int64_t j = 0; j < n; j++) expand_row(kind, codes, d, m, j, k, out + j * k);
     return 0;
+}
+
+/* out[M, N] = x[M, K] @ W[N, K]^T for a float32 W, each dot product in the block kernel's fixed
+ * order: over the dequantized matrix this is the block matmul, bit for bit (the tests' yardstick). */
+int fixed_order_matmul(const float *x, const float *w, float *out, int64_t rows, int64_t n,
+                       int64_t k) {
+    if (k % QBLOCK != 0) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w + j * k, k);
+    return 0;
+}
+
+/* 16 (AVX-512), 8 (AVX2+FMA) or 1 (portable): which path this build took */
+int block_quant_lanes(void) {
+#if defined(BQ_SIMD)
+    return LANES;
+#else
+    return 1;
+#endif
 }

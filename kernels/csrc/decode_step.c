@@ -22,7 +22,7 @@
 #include "row_ops.h"
 
 typedef struct {
-    int32_t kind; /* 4 (q4) or 8 (q8) */
+    int32_t kind; /* 4 (q4), 8 (q8), 16 (q8_16) or 9 (q8m), see block_quant.h */
     int32_t pad;
     const void *codes;
     const float *d, *m;
@@ -80,7 +80,7 @@ static void attend(const decode_shape *sh, const decode_layer *ly, const float *
 }
 
 static int valid_weight(const bq_weight *w, int64_t k) {
-    return (w->kind == 4 || w->kind == 8) && k % QBLOCK == 0 && k <= MAX_K;
+    return valid_kind(w->kind) && k % QBLOCK == 0 && k <= MAX_K;
 }
 
 /* x [B, H]: the token embeddings in, the hidden states out. positions, slots int64 [B];

@@ -14,30 +14,62 @@ from prefixrag.kernels.block_quant_matmul import (
     block_quant_matmul,
     block_quant_matmul_torch,
     dequantize_torch,
-    from_gguf_blocks,
+    fixed_order_matmul,
+    simd_lanes,
 )
+from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
 
-# the portable C path, built without AVX-512, must agree too
-PORTABLE_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
-BUILDS = pytest.mark.parametrize(
-    "flags", [DEFAULT_FLAGS, PORTABLE_FLAGS], ids=["native", "portable"]
-)
+# every C path this host can run must agree: native (AVX-512 where the host has it), the AVX2
+# path built without AVX-512, and the portable one built without either
+AVX2_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
+PORTABLE_FLAGS = (*AVX2_FLAGS, "-mno-avx2")
+ALL_FLAGS = {"native": DEFAULT_FLAGS, "avx2": AVX2_FLAGS, "portable": PORTABLE_FLAGS}
+BUILDS = pytest.mark.parametrize("flags", list(ALL_FLAGS.values()), ids=list(ALL_FLAGS))
+
+
+def host_cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        line = next((ln for ln in f if ln.startswith("flags")), "flags:")
+    return set(line.split(":", 1)[1].split())
 
 
 def random_gguf_blocks(gguf_type: str, n: int, k: int, seed: int) -> np.ndarray:
     """Raw GGUF blocks with random codes and sane fp16 scales, [n, k/32 * block bytes]."""
     rng = np.random.default_rng(seed)
+    if gguf_type.endswith("_K"):
+        return random_k_blocks(gguf_type, rng, n, k)
     nb = k // 32
     d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
     if gguf_type == "Q8_0":
         codes = rng.integers(-127, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
         return np.concatenate([d, codes], axis=-1).reshape(n, -1)
-    codes = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    # Q5_0 and Q5_1: 4 bytes of fifth bits, then the low nibbles
+    codes = rng.integers(0, 256, (n, nb, 20 if gguf_type.startswith("Q5") else 16), dtype=np.uint8)
+    if gguf_type == "Q5_0":
+        return np.concatenate([d, codes], axis=-1).reshape(n, -1)
     if gguf_type == "Q4_0":
         return np.concatenate([d, codes], axis=-1).reshape(n, -1)
     m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).view(np.uint8)
     return np.concatenate([d, m, codes], axis=-1).reshape(n, -1)
+
+
+def random_k_blocks(gguf_type: str, rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K super-blocks: fp16 scales of either sign (some zero, some subnormal)
+    and random bytes for the packed sub-block scales and codes (every bit pattern is valid)."""
+    s = k // 256
+    d = (rng.uniform(-0.01, 0.01, (2, n, s, 1)) * (rng.random((2, n, s, 1)) < 0.9)).astype(
+        np.float16
+    )
+    d[:, 0] = np.float16(3e-7)  # fp16 subnormal: exact in float32 too
+    if gguf_type == "Q6_K":  # low nibbles, high bit pairs, int8 scales, then d
+        packed = rng.integers(0, 256, (n, s, 128 + 64 + 16), dtype=np.uint8)
+        return np.concatenate([packed, d[0].view(np.uint8)], axis=-1).reshape(n, -1)
+    # Q4_K: d, dmin, scales, codes; Q5_K: fifth bits before the codes
+    packed = rng.integers(0, 256, (n, s, 12 + 128 + 32 * (gguf_type == "Q5_K")), dtype=np.uint8)
+    return np.concatenate([d[0].view(np.uint8), d[1].view(np.uint8), packed], axis=-1).reshape(
+        n, -1
+    )
 
 
 def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Tensor:
@@ -46,7 +78,7 @@ def gguf_reference(raw: np.ndarray, gguf_type: str, n: int, k: int) -> torch.Ten
 
 
 @BUILDS
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (33, 576), (64, 1536)])
 def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
     raw = random_gguf_blocks(gguf_type, n, k, seed=n + k)
@@ -54,6 +86,22 @@ def test_dequantize_is_gguf_bit_for_bit(flags, gguf_type, n, k):
     expected = gguf_reference(raw, gguf_type, n, k)
     assert torch.equal(dequantize_torch(w), expected)
     assert torch.equal(block_quant_dequantize(w, flags), expected)
+
+
+@BUILDS
+@pytest.mark.parametrize(
+    ("gguf_type", "kind"), [("Q4_K", "q4"), ("Q5_K", "q8m"), ("Q6_K", "q8_16")]
+)
+@pytest.mark.parametrize(("n", "k"), [(1, 256), (5, 768), (33, 1536)])
+def test_k_quants_repack_to_gguf_bit_for_bit(flags, gguf_type, kind, n, k):
+    raw = random_gguf_blocks(gguf_type, n, k, seed=n)
+    w = from_gguf_blocks(raw, gguf_type, (n, k))
+    expected = gguf_reference(raw, gguf_type, n, k)
+    assert w.kind == kind
+    assert torch.equal(dequantize_torch(w), expected)
+    assert torch.equal(block_quant_dequantize(w, flags), expected)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(block_quant_matmul(x, w, flags), fixed_order_matmul(x, expected, flags))
 
 
 @BUILDS
@@ -79,6 +127,43 @@ def test_a_row_does_not_depend_on_its_batch(flags):
     assert torch.equal(block_quant_matmul(x[3:9], w, flags), full[3:9])
 
 
+def test_each_build_takes_its_path():
+    host = host_cpu_flags()
+    assert simd_lanes(PORTABLE_FLAGS) == 1
+    if {"avx2", "fma"} <= host:
+        assert simd_lanes(AVX2_FLAGS) == 8
+    if "avx512f" in host:
+        assert simd_lanes(DEFAULT_FLAGS) == 16
+
+
+@BUILDS
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize(("rows", "k"), [(1, 32), (2, 96), (3, 160), (5, 576), (4, 1504)])
+def test_matmul_is_the_fixed_order_dot_over_the_dequantized_rows(flags, gguf_type, rows, k):
+    # odd block counts end on a half round of the accumulators; rows past GROUP take a second
+    # group; the SIMD matmul never expands a row, so this holds its unpacking to dot()'s order
+    n = 37
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=k), gguf_type, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = fixed_order_matmul(x, block_quant_dequantize(w, flags), flags)
+    assert torch.equal(block_quant_matmul(x, w, flags), expected)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_every_build_sums_in_the_same_order(gguf_type):
+    n, k = 29, 1504  # 47 blocks: full rounds and a half one
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=6), gguf_type, (n, k))
+    # mixed magnitudes and signs, so a different order would show in the low bits
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7)) * torch.logspace(-3, 3, k)
+    results = {name: block_quant_matmul(x, w, flags) for name, flags in ALL_FLAGS.items()}
+    for name, got in results.items():
+        assert torch.equal(got, results["portable"]), name
+    dense = dequantize_torch(w)
+    assert torch.equal(fixed_order_matmul(x, dense, PORTABLE_FLAGS), results["portable"])
+    # and the order is a real choice: plain torch sums differently (else this test proves little)
+    assert not torch.equal(x @ dense.T, results["portable"])
+
+
 def test_leading_dims_and_empty_batch():
     w = from_gguf_blocks(random_gguf_blocks("Q8_0", 6, 64, seed=3), "Q8_0", (6, 64))
     x = torch.randn(2, 3, 64)
@@ -95,8 +180,10 @@ def test_bad_inputs_raise_value_error():
         block_quant_matmul(torch.randn(1, 64, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="multiple of the block size"):
         from_gguf_blocks(np.zeros(40, np.uint8), "Q4_1", (1, 40))
-    with pytest.raises(ValueError, match="Q6_K is not one of"):
-        from_gguf_blocks(np.zeros(20, np.uint8), "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="Q4_K super-block"):
+        from_gguf_blocks(np.zeros(144, np.uint8), "Q4_K", (1, 128))
+    with pytest.raises(ValueError, match="Q3_K is not one of"):
+        from_gguf_blocks(np.zeros(20, np.uint8), "Q3_K", (1, 32))
     with pytest.raises(ValueError, match="need m"):
         BlockQuantWeight("q4", w.codes, w.d, None)
     with pytest.raises(ValueError, match="codes must be"):
@@ -112,6 +199,27 @@ def test_fuse_and_permute_rows_keep_the_matrix():
     assert torch.equal(dequantize_torch(fused), expected)
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(dequantize_torch(fused.select_rows(perm)), expected[perm])
+
+
+def test_q8_fuses_with_q8m_bit_for_bit():
+    # a Q5_1 q/k beside a Q8_0 v (Q5_K_M files): q8 joins as q8m with m = -0.0, which keeps
+    # every weight's bits, the sign of its zeros included
+    q = from_gguf_blocks(random_gguf_blocks("Q5_1", 4, 64, seed=8), "Q5_1", (4, 64))
+    raw_v = random_gguf_blocks("Q8_0", 3, 64, seed=9).reshape(3, 2, 34)
+    raw_v[0, 0, 2:] = 0  # zero codes ...
+    raw_v[0, 0, :2] = np.array([-0.5], np.float16).view(np.uint8)  # ... times a negative d: -0.0
+    v = from_gguf_blocks(raw_v, "Q8_0", (3, 64))
+    assert BlockQuantWeight.can_fuse([q, v])
+    fused = BlockQuantWeight.cat([q, v])
+    assert fused.kind == "q8m"
+    expected = torch.cat([dequantize_torch(q), dequantize_torch(v)])
+    assert torch.signbit(expected[4, 0])
+    for got in (dequantize_torch(fused), block_quant_dequantize(fused)):
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    four_bit = from_gguf_blocks(random_gguf_blocks("Q4_1", 3, 64, seed=10), "Q4_1", (3, 64))
+    assert not BlockQuantWeight.can_fuse([q, four_bit])
+    with pytest.raises(ValueError, match="cannot fuse"):
+        BlockQuantWeight.cat([q, four_bit])
 
 
 def test_packaged_model_tensors_dequantize_exactly():

@@ -1,0 +1,103 @@
+"""Q4_K_M and Q5_K_M files from llama.cpp's own quantizer on the block path, bit for bit with
+gguf-py's dequantization and with the float32 load.
+
+llama.cpp lives in the benchmark's venv (bash bench/setup_peers.sh; PREFIXRAG_PEERS_VENV moves
+it); without it these tests skip, and tests/kernels covers Q4_K with blocks written by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
+from prefixrag.engine.weights.gguf_loader import load_gguf
+from prefixrag.kernels.block_quant_matmul import block_quant_dequantize
+from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_VENV = Path(os.environ.get("PREFIXRAG_PEERS_VENV", ROOT / ".venv-peers"))
+# requantizing the packaged Q4_1 file is what llama-quantize --allow-requantize does
+QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
+params.allow_requantize = True
+params.nthread = 1
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
+                                        ctypes.byref(params)))
+"""
+
+
+# the file type, and the types of its 1,536-wide ffn_down (a K-quant and Q6_K in places)
+FILE_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}
+KIND_OF = {"Q4_K": "q4", "Q5_K": "q8m", "Q6_K": "q8_16"}
+
+
+@pytest.fixture(scope="module", params=list(FILE_TYPES))
+def k_quant_path(request, tmp_path_factory) -> str:
+    python = PEERS_VENV / "bin" / "python"
+    if not python.is_file():
+        pytest.skip(f"no llama.cpp peer venv at {PEERS_VENV} (bash bench/setup_peers.sh)")
+    out = tmp_path_factory.mktemp("k_quants") / f"model.{request.param}.gguf"
+    done = subprocess.run(
+        [str(python), "-c", QUANTIZE, str(packaged_llm_path()), str(out), request.param],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return str(out)
+
+
+def test_block_tensors_repack_bit_for_bit(k_quant_path):
+    # llama.cpp gives K-quants only to rows that are whole super-blocks (K % 256 == 0, here the
+    # 1,536-wide ffn_down); the 576-wide rest falls back to Q5_0, Q5_1 or Q8_0
+    reader = gguf.GGUFReader(k_quant_path)
+    types = {t.tensor_type.name for t in reader.tensors}
+    assert "Q6_K" in types and types & {"Q4_K", "Q5_K"}
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+            continue
+        n, k = int(t.shape[1]), int(t.shape[0])
+        expected = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = from_gguf_blocks(t.data, t.tensor_type.name, (n, k))
+        assert torch.equal(block_quant_dequantize(w), torch.from_numpy(expected)), t.name
+
+
+def dense_parts(name: str, dense: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 matrix a block weight of the model stands for, from the dense load."""
+    if name == "lm_head_weight":
+        return dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
+    _, i, _, weight = name.split(".")
+    p = f"model.layers.{i}."
+    parts = {
+        "qkv_weight": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        "o_weight": ["self_attn.o_proj"],
+        "gate_up_weight": ["mlp.gate_proj", "mlp.up_proj"],
+        "down_weight": ["mlp.down_proj"],
+    }[weight]
+    return torch.cat([dense[p + part + ".weight"] for part in parts])
+
+
+def test_block_weights_are_the_dense_load(k_quant_path):
+    config, dense = load_gguf(k_quant_path)
+    blocks = load_gguf_block_weights(k_quant_path, config)
+    reader = gguf.GGUFReader(k_quant_path)
+    down_types = {
+        int(t.name.split(".")[1]): t.tensor_type.name
+        for t in reader.tensors
+        if t.name.endswith("ffn_down.weight")
+    }
+    assert set(down_types.values()) in FILE_TYPES.values()
+    for i, gguf_type in down_types.items():
+        assert blocks[f"layers.{i}.mlp.down_weight"].kind == KIND_OF[gguf_type]
+    # every matrix stays in blocks (Q5_0 and Q8_0 attention parts fuse: both are q8)
+    assert len(blocks) == 4 * config.num_layers + 1
+    for name, w in blocks.items():
+        assert torch.equal(block_quant_dequantize(w), dense_parts(name, dense)), name
