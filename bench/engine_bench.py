@@ -115,6 +115,8 @@ METRICS = (
         False,
     ),
 )
+# the vector path of the C block kernels, by lanes (kernels.block_quant_matmul.simd_lanes)
+KERNEL_PATHS = {16: "AVX-512", 8: "AVX2+FMA", 1: "plain C loops"}
 # within this relative margin a difference is called a tie: run-to-run noise on a shared machine
 TIE = 0.05
 
@@ -497,7 +499,10 @@ def cached_tokens(samples: dict) -> dict:
 
 
 def cpu_info() -> dict:
-    """The host: our C kernels have AVX-512 fast paths and plain C loops otherwise."""
+    """The host, and the vector path our C block kernels took on it (AVX-512, AVX2+FMA or plain
+    C loops)."""
+    from prefixrag.kernels.block_quant_matmul import simd_lanes
+
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -514,6 +519,7 @@ def cpu_info() -> dict:
         "logical_cpus": os.cpu_count(),
         "avx2": "avx2" in flags,
         "avx512f": "avx512f" in flags,
+        "block_kernel_lanes": simd_lanes(),
     }
 
 
@@ -575,8 +581,8 @@ def plot(result: dict, path: Path) -> None:
 def print_table(result: dict) -> None:
     cpu, threads = result["cpu"], result["threads"]
     print(
-        f"\nhost: {cpu['model']}, {cpu['logical_cpus']} CPUs, AVX-512 "
-        f"{'yes' if cpu['avx512f'] else 'no (our C kernels fall back to plain loops)'}; "
+        f"\nhost: {cpu['model']}, {cpu['logical_cpus']} CPUs; our block kernels: "
+        f"{KERNEL_PATHS.get(cpu.get('block_kernel_lanes', 0), 'unknown')}; "
         f"threads each: ours {threads['ours_omp_max_threads']} (OpenMP), "
         f"llama.cpp {threads['llama_n_threads']}/{threads['llama_n_threads_batch']}"
     )
