@@ -33,11 +33,12 @@ class EngineConfig:
     memory (``gpu_memory_fraction`` of the device); ``max_model_len=None`` means the model's own
     limit. ``max_num_batched_tokens`` must cover one decode token for each of ``max_num_seqs``.
     ``weight_quant``: ``gguf`` keeps a GGUF checkpoint's own blocks for the matmuls (Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; CPU, float32): the same matrices as ``none``, a fifth
-    to a third of the bytes to read per decode step; ``none`` keeps the weights in ``dtype``; ``auto`` (the default) is gguf for a
-    .gguf model on CPU in float32, none elsewhere. ``int8`` (per-channel int8, CPU only) is
-    opt-in: its bf16 activations make greedy output depend on how tokens were batched, so prefix
-    cache on and off are only exactly equal in ``none`` and ``gguf``.
+    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; CPU, float32): the same matrices as ``none``, a fifth to
+    a third of the bytes to read per decode step; ``none`` keeps the weights in ``dtype``;
+    ``auto`` (the default) is gguf for a .gguf model on CPU in float32, none elsewhere. ``int8``
+    (per-channel int8, CPU only) is opt-in: its bf16 activations make greedy output depend on
+    how tokens were batched, so prefix cache on and off are only exactly equal in ``none`` and
+    ``gguf``.
 
     Chunk reuse (``enable_chunk_reuse``, only with the prefix cache on) keeps the KV of the
     source bodies a prompt names and places it at new positions in later prompts, recomputing
