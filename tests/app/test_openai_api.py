@@ -247,44 +247,30 @@ def test_completions_logprobs_shape(client, model_id):
 def test_n_choices_share_the_prompt_and_differ_when_sampled(client, model_id, server):
     _, state = server
     prompt = "A list of fruit, " + "apples and pears and plums, " * 6
-    hits_before = state.llm.engine.stats()["hit_tokens"]
-    out = client.completions.create(
-        model=model_id,
-        prompt=prompt,
-        max_tokens=8,
-        n=3,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
-    assert [c.index for c in out.choices] == [0, 1, 2]
-    assert len({c.text for c in out.choices}) > 1  # each choice draws from its own seed
-    assert out.usage.completion_tokens == 24
-    # choices 1 and 2 start after choice 0 computed the prompt: each reuses its full blocks
-    num_prompt = len(state.llm.encode(prompt))
-    assert state.llm.engine.stats()["hit_tokens"] - hits_before >= 2 * ((num_prompt - 1) // 16 * 16)
-    again = client.completions.create(
-        model=model_id,
-        prompt=prompt,
-        max_tokens=8,
-        n=3,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
-    assert [c.text for c in again.choices] == [c.text for c in out.choices]
-    chunks = list(
-        client.completions.create(
+
+    def three_choices(**extra):
+        return client.completions.create(
             model=model_id,
             prompt=prompt,
             max_tokens=8,
             n=3,
             temperature=1.0,
             seed=5,
-            stream=True,
             extra_body={"ignore_eos": True},
+            **extra,
         )
-    )
+
+    hits_before = state.llm.engine.stats()["hit_tokens"]
+    out = three_choices()
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1  # each choice draws from its own seed
+    assert out.usage.completion_tokens == 24
+    # choices 1 and 2 start after choice 0 computed the prompt: each reuses its full blocks
+    num_prompt = len(state.llm.encode(prompt))
+    assert state.llm.engine.stats()["hit_tokens"] - hits_before >= 2 * ((num_prompt - 1) // 16 * 16)
+    again = three_choices()
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chunks = list(three_choices(stream=True))
     streamed = [
         "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
         for i in range(3)
