@@ -87,6 +87,8 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_tokens_cap: int = Field(2048, ge=1)
     default_max_tokens: int = Field(256, ge=1)
+    # evidence spans: the best sentences of each cited chunk for the question (0 turns them off)
+    evidence_spans: int = Field(2, ge=0, le=8)
 
     # serving
     host: str = "127.0.0.1"

@@ -23,7 +23,7 @@ from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputErr
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
-from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
+from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.search import search
@@ -31,13 +31,15 @@ from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.retrieval.evidence import EvidenceFinder, EvidenceSpan
 from prefixrag.retrieval.pipeline import Hit, Retriever
 
 
 @dataclass(slots=True, frozen=True)
 class QAPipeline:
     """What answering a question needs, loaded: the database, the retriever, the LLM and the
-    prompt builder, with the settings that bound a question (and where retrieval times go)."""
+    prompt builder, with the settings that bound a question (and where retrieval times go).
+    `evidence` finds each citation's best sentences (None: citations carry no spans)."""
 
     sessions: sessionmaker[Session]
     retriever: Retriever
@@ -45,6 +47,7 @@ class QAPipeline:
     prompts: PromptBuilder
     settings: Settings
     on_retrieval: Callable[[dict[str, float]], None] | None = None
+    evidence: EvidenceFinder | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +59,7 @@ class PreparedAnswer:
     retrieval_ms: dict[str, float]
     started: float  # time.perf_counter() when the request arrived
     tenant: str
+    evidence: dict[int, list[EvidenceSpan]]  # chunk id -> its best spans, best first
 
 
 async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -> PreparedAnswer:
@@ -93,7 +97,29 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         history=history,
         cached_prefix_len=(lambda ids: llm.cached_prefix_len(ids, scope)) if follow_cache else None,
     )
-    return PreparedAnswer(prompt, params, timings, started, tenant)
+    evidence = await run_in_threadpool(_find_evidence, pipeline, query.question, prompt, timings)
+    return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
+
+
+def _find_evidence(
+    pipeline: QAPipeline, question: str, prompt: BuiltPrompt, timings: dict[str, float]
+) -> dict[int, list[EvidenceSpan]]:
+    """Each citable source's best spans for this question (earlier turns' sources too: the
+    answer may rest on them), timed into `timings["evidence_ms"]`."""
+    finder = pipeline.evidence
+    sources = [source for _, source in prompt.numbered]
+    if finder is None or not sources:
+        return {}
+    t0 = time.perf_counter()
+    retriever = pipeline.retriever
+    found = finder.find(
+        question,
+        [s.text for s in sources],
+        embedder=retriever.embedder,
+        reranker=retriever.reranker if retriever.is_reranking else None,
+    )
+    timings["evidence_ms"] = (time.perf_counter() - t0) * 1000.0
+    return {s.chunk_id: spans for s, spans in zip(sources, found, strict=True)}
 
 
 def _read(
@@ -219,6 +245,17 @@ def citations(prepared: PreparedAnswer) -> list[CitationOut]:
             end=s.end,
             page=s.page,
             score=s.score,
+            evidence=[
+                EvidenceOut(
+                    start=e.start,
+                    end=e.end,
+                    document_start=s.start + e.start,
+                    document_end=s.start + e.end,
+                    text=s.text[e.start : e.end],
+                    score=e.score,
+                )
+                for e in prepared.evidence.get(s.chunk_id, ())
+            ],
         )
         for n, s in prepared.prompt.numbered
     ]
@@ -241,11 +278,13 @@ def usage(result: GenerationResult) -> UsageOut:
 
 
 def timings(prepared: PreparedAnswer, result: GenerationResult) -> dict[str, float]:
-    """Retrieval stages, TTFT and TPOT of the engine, and the whole request, in ms."""
+    """Retrieval stages, evidence spans, TTFT and TPOT of the engine, and the whole request,
+    in ms."""
     return {
         "embed_ms": prepared.retrieval_ms.get("embed_ms", 0.0),
         "search_ms": prepared.retrieval_ms.get("search_ms", 0.0),
         "rerank_ms": prepared.retrieval_ms.get("rerank_ms", 0.0),
+        "evidence_ms": prepared.retrieval_ms.get("evidence_ms", 0.0),
         "ttft_ms": result.ttft_s * 1000.0,
         "tpot_ms": result.tpot_s * 1000.0,
         "total_ms": (time.perf_counter() - prepared.started) * 1000.0,

@@ -64,7 +64,7 @@ def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):
     assert out["chunk_ids"] == [c["chunk_id"] for c in cited]
     assert out["usage"]["completion_tokens"] <= 8
     assert set(out["timings"]) == {
-        "embed_ms", "search_ms", "rerank_ms", "ttft_ms", "tpot_ms", "total_ms"
+        "embed_ms", "search_ms", "rerank_ms", "evidence_ms", "ttft_ms", "tpot_ms", "total_ms"
     }  # fmt: skip
 
 
