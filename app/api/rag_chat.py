@@ -101,7 +101,7 @@ async def _prepare(
             max_tokens=body.wanted_max_tokens(),
             temperature=body.temperature,
             history=history,
-            **body.sampling_kwargs(),
+            **body.sampling_fields(),
         )
         return await qa.prepare_answer(pipeline=pipeline, query=query, tenant=tenant)
     except ValidationError as exc:

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_tokens_cap: int = Field(2048, ge=1)
     default_max_tokens: int = Field(256, ge=1)
+    # answers never generate a run of this many tokens twice (0: off); the packaged model
+    # otherwise loops on one sentence (bench/answer_eval.py)
+    answer_no_repeat_ngram_size: int = Field(0, ge=0, le=64)
     # evidence spans: the best sentences of each cited chunk for the question (0 turns them off)
     evidence_spans: int = Field(2, ge=0, le=8)
 

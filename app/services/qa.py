@@ -80,7 +80,9 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     if bad_bias is not None:
         raise InvalidInputError(bad_bias)
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=query.temperature, **query.sampling_kwargs()
+        max_tokens=max_tokens,
+        temperature=query.temperature,
+        **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
     history, hits, timings = await run_in_threadpool(_read, pipeline, query, tenant)
     if pipeline.on_retrieval is not None:
