@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,8 @@ class IngestService:
     """Owns the ingest worker pool and every write to documents, chunks and the chunk indexes.
 
     The chunk indexes are the vector index and, in hybrid retrieval, the BM25 `lexical` index;
-    both always hold the same chunk ids.
+    both always hold the same chunk ids. `on_ready` is called with a document's chunk texts once
+    it is ready (to warm caches; a failure there is logged and leaves the document ready).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class IngestService:
         num_workers: int = 1,
         queue_size: int = 64,
         lexical: LexicalIndex | None = None,
+        on_ready: Callable[[list[str]], None] | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
             raise ValueError("num_workers and queue_size must be at least 1")
@@ -114,6 +117,7 @@ class IngestService:
         self._embedder = embedder
         self._index = index
         self._lexical = lexical
+        self._on_ready = on_ready
         self._chunker = chunker
         self._max_upload_bytes = max_upload_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="ingest")
@@ -255,6 +259,11 @@ class IngestService:
             if added is not None:
                 self._remove_from_indexes(added)
             raise
+        if self._on_ready is not None:
+            try:
+                self._on_ready([c.text for c in chunks])
+            except Exception:  # a cache that could not warm costs a later question, not this
+                logger.exception("warming caches for document %d failed", document_id)
 
     def _remove_from_indexes(self, ids: np.ndarray) -> None:
         self._index.remove(ids)

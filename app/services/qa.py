@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -32,7 +33,7 @@ from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 from prefixrag.retrieval.evidence import EvidenceFinder, EvidenceSpan
-from prefixrag.retrieval.pipeline import Hit, Retriever
+from prefixrag.retrieval.pipeline import Hit, RetrievalResult, Retriever
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,7 +85,8 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         temperature=query.temperature,
         **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
-    history, hits, timings = await run_in_threadpool(_read, pipeline, query, tenant)
+    history, found = await run_in_threadpool(_read, pipeline, query, tenant)
+    hits, timings = found.hits, dict(found.timings)
     if pipeline.on_retrieval is not None:
         pipeline.on_retrieval(timings)
     room = llm.max_model_len - max_tokens
@@ -99,15 +101,22 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         history=history,
         cached_prefix_len=(lambda ids: llm.cached_prefix_len(ids, scope)) if follow_cache else None,
     )
-    evidence = await run_in_threadpool(_find_evidence, pipeline, query.question, prompt, timings)
+    evidence = await run_in_threadpool(
+        _find_evidence, pipeline, query.question, found.query_vector, prompt, timings
+    )
     return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
 
 
 def _find_evidence(
-    pipeline: QAPipeline, question: str, prompt: BuiltPrompt, timings: dict[str, float]
+    pipeline: QAPipeline,
+    question: str,
+    question_vector: np.ndarray | None,
+    prompt: BuiltPrompt,
+    timings: dict[str, float],
 ) -> dict[int, list[EvidenceSpan]]:
     """Each citable source's best spans for this question (earlier turns' sources too: the
-    answer may rest on them), timed into `timings["evidence_ms"]`."""
+    answer may rest on them), timed into `timings["evidence_ms"]`. `question_vector` is
+    retrieval's embedding of the question, when it made one."""
     finder = pipeline.evidence
     sources = [source for _, source in prompt.numbered]
     if finder is None or not sources:
@@ -119,6 +128,7 @@ def _find_evidence(
         [s.text for s in sources],
         embedder=retriever.embedder,
         reranker=retriever.reranker if retriever.is_reranking else None,
+        question_vector=question_vector,
     )
     timings["evidence_ms"] = (time.perf_counter() - t0) * 1000.0
     return {s.chunk_id: spans for s, spans in zip(sources, found, strict=True)}
@@ -126,14 +136,14 @@ def _find_evidence(
 
 def _read(
     pipeline: QAPipeline, query: QueryIn, tenant: str
-) -> tuple[list[Turn], list[Hit[Chunk]], dict[str, float]]:
+) -> tuple[list[Turn], RetrievalResult[Chunk]]:
     # One session for everything this question reads: earlier turns, then retrieval.
     with pipeline.sessions() as session:
         history = history_turns(session=session, query=query, tenant=tenant)
-        hits, timings = _retrieve(
+        found = _retrieve(
             session=session, pipeline=pipeline, question=query.question, query=query, tenant=tenant
         )
-    return history, hits, timings
+    return history, found
 
 
 def history_turns(*, session: Session, query: QueryIn, tenant: str) -> list[Turn]:
@@ -203,9 +213,9 @@ async def recover_chunk_ids(
         chunk_ids: list[list[int]] = []
         with pipeline.sessions() as session:
             for question in questions:
-                hits, _ = _retrieve(
+                hits = _retrieve(
                     session=session, pipeline=pipeline, question=question, query=None, tenant=tenant
-                )
+                ).hits
                 new = [hit.chunk_id for hit in hits if hit.chunk_id not in seen]
                 chunk_ids.append(new)
                 seen.update(new)
@@ -306,11 +316,11 @@ def _retrieve(
     question: str,
     query: QueryIn | None,
     tenant: str,
-) -> tuple[list[Hit[Chunk]], dict[str, float]]:
+) -> RetrievalResult[Chunk]:
     settings = pipeline.settings
     top_k = (query.top_k if query else None) or settings.default_top_k
     candidates = (query.candidates if query else None) or settings.default_candidates
-    found = search(
+    return search(
         session=session,
         retriever=pipeline.retriever,
         query=question,
@@ -320,4 +330,3 @@ def _retrieve(
         collection=query.collection if query else None,
         document_ids=query.document_ids if query else None,
     )
-    return found.hits, dict(found.timings)

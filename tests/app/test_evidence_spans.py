@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 
+from prefixrag.app.core.models import Chunk
 from prefixrag.app.main import create_app
 from prefixrag.app.state import AppState
 from prefixrag.retrieval.parsing import parse_document
@@ -67,6 +69,15 @@ def documents(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
             assert response.status_code == 201 and response.json()["status"] == "ready"
             ids[name] = response.json()["id"]
         yield client, ids
+
+
+def test_ingest_warms_the_sentence_cache_with_every_chunk(documents):
+    client, _ = documents
+    state = app_state(client)
+    assert state.evidence is not None and state.sessions is not None
+    with state.sessions() as session:
+        num_chunks = session.scalar(select(func.count()).select_from(Chunk))
+    assert num_chunks and state.evidence.num_cached == num_chunks
 
 
 def ask(client: TestClient, **body: Any) -> Any:
