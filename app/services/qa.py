@@ -76,7 +76,7 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
                 f"{settings.max_question_chars} are allowed"
             )
     llm = pipeline.llm
-    max_tokens = llm.resolve_max_tokens(query.max_tokens)
+    max_tokens = llm.resolve_max_tokens(query.max_tokens, settings.answer_max_tokens)
     bad_bias = out_of_vocabulary(query.logit_bias, llm.vocab_size)
     if bad_bias is not None:
         raise InvalidInputError(bad_bias)

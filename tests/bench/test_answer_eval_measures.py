@@ -34,7 +34,7 @@ def test_an_answer_loops_when_six_words_come_twice():
     assert loops("a b c d e f x a b c d e f")
 
 
-def test_the_top_evidence_span_is_the_best_scoring_first_span_of_any_citation():
+def test_evidence_counts_each_sources_top_span_and_best_span_the_top_scoring_one():
     out = {
         "answer": "Use sorted().",
         "citations": [
@@ -45,6 +45,10 @@ def test_the_top_evidence_span_is_the_best_scoring_first_span_of_any_citation():
         "usage": {"completion_tokens": 4},
     }
     row = score({"q": "?", "a": ["sorted(iterable"]}, out)
-    assert row["evidence_ok"] and row["recall"] and not row["answer_ok"] and not row["loops"]
-    out["citations"][1]["evidence"][0]["score"] = 0.1
+    assert row["evidence_ok"] and row["best_span_ok"] and row["recall"]
+    assert not row["answer_ok"] and not row["loops"]
+    out["citations"][1]["evidence"][0]["score"] = 0.1  # still its source's top span
+    row = score({"q": "?", "a": ["sorted(iterable"]}, out)
+    assert row["evidence_ok"] and not row["best_span_ok"]
+    out["citations"][1]["evidence"] = []
     assert not score({"q": "?", "a": ["sorted(iterable"]}, out)["evidence_ok"]
