@@ -17,7 +17,7 @@ import psutil
 
 MIB = 1024 * 1024
 # argv[0] is "-c", so the CLI's argparse sees only the words after it.
-_SERVE = "import sys; from app.cli import main; sys.exit(main())"
+_SERVE = "import sys; from prefixrag.app.cli.main import main; sys.exit(main())"
 
 
 def free_port() -> int:
