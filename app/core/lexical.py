@@ -3,7 +3,7 @@
 - SQLite: the FTS5 table `chunks_fts`, rowid = chunk id, column `terms` (space-joined terms).
   A trigger deletes a chunk's row with the chunk.
 - PostgreSQL: the table `chunk_lexemes` (chunk_id, num_terms, terms tsvector) with a GIN index
-  on `terms`; its foreign key cascades a chunk's delete.
+  on `terms`; its foreign key cascades a chunk's delete. Triggers keep `chunk_lexemes_totals`.
 
 So a chunk's terms are written in the transaction that writes the chunk, and leave with it: the
 lexical side can never disagree with the rows. Neither table is an ORM model, because each
@@ -22,6 +22,7 @@ from prefixrag.retrieval.lexical import index_terms, searchable_text, tsvector_l
 
 SQLITE_TABLE = "chunks_fts"
 POSTGRES_TABLE = "chunk_lexemes"
+POSTGRES_TOTALS = "chunk_lexemes_totals"  # one row: chunks and terms held, for BM25's N and avg
 # FTS5 keeps shadow tables named after its table: all of them are the lexical store's.
 LEXICAL_TABLE_PREFIXES = (SQLITE_TABLE, POSTGRES_TABLE)
 

@@ -9,9 +9,9 @@ with N, df and avg_len over every chunk stored (all tenants, as one index), len(
 - SQLite computes it: FTS5's own bm25().
 - PostgreSQL has no BM25 (ts_rank and ts_rank_cd ignore document frequency and length
   normalization the BM25 way), so the query computes it in SQL: tf from the tsvector's positions,
-  df by one GIN lookup per query term, N and avg_len from the table. Same ranking as SQLite, so
-  quality measured on one holds for the other (tests/app/test_lexical_search.py checks both
-  against a hand computation).
+  df by one GIN lookup per query term, N and avg_len from a totals row that triggers keep.
+  Same ranking as SQLite, so quality measured on one holds for the other
+  (tests/app/test_lexical_search.py checks both against a hand computation).
 
 Filters (tenant, collection, documents, document ready) join inside the query, so the k best
 are the k best the caller may see.
@@ -26,7 +26,7 @@ import numpy as np
 from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.core.lexical import POSTGRES_TABLE, SQLITE_TABLE
+from prefixrag.app.core.lexical import POSTGRES_TABLE, POSTGRES_TOTALS, SQLITE_TABLE
 from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.lexical import BM25_B, BM25_K1, fts5_match, index_terms
 
@@ -57,8 +57,8 @@ _POSTGRES_SEARCH = f"""
 WITH query_terms AS (
     SELECT term, count(*) AS qtf FROM unnest(CAST(:terms AS text[])) AS q(term) GROUP BY term
 ), corpus AS (
-    SELECT count(*)::float8 AS n, coalesce(avg(num_terms), 0)::float8 AS avg_len
-    FROM {POSTGRES_TABLE}
+    SELECT num_chunks::float8 AS n, num_terms::float8 / greatest(num_chunks, 1) AS avg_len
+    FROM {POSTGRES_TOTALS}
 ), weights AS (
     SELECT query_terms.term, query_terms.qtf * greatest(
         ln((corpus.n - df.df + 0.5) / (df.df + 0.5)), 1e-6) AS weight
@@ -81,7 +81,11 @@ SELECT hits.chunk_id, sum(
     )
 ) AS score
 FROM hits
-CROSS JOIN LATERAL unnest(hits.terms) AS lexeme
+-- only the query's lexemes, cut out in C (marked by setweight, kept by ts_filter): unnesting a
+-- whole chunk's tsvector would cost a row per distinct term of every hit
+CROSS JOIN LATERAL unnest(
+    ts_filter(setweight(hits.terms, 'A', CAST(:terms AS text[])), ARRAY[CAST('a' AS "char")])
+) AS lexeme
 JOIN weights ON weights.term = lexeme.lexeme
 CROSS JOIN corpus
 GROUP BY hits.chunk_id
