@@ -82,12 +82,12 @@ class Fts5Index:
         terms = index_terms(self.analyzer, query)
         if not terms:
             return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
-        sql = "SELECT rowid, bm25(fts) AS rank FROM fts WHERE fts MATCH ?"
+        sql = "SELECT rowid, bm25(fts) AS score FROM fts WHERE fts MATCH ?"
         params: list[object] = [fts5_match(terms)]
         if scope is not None:
             sql += " AND rowid IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(np.asarray(scope, dtype=np.int64).tolist()))
-        sql += " ORDER BY rank, rowid LIMIT ?"
+        sql += " ORDER BY score, rowid LIMIT ?"
         params.append(k)
         with self._lock:
             rows = self._db.execute(sql, params).fetchall()

@@ -42,13 +42,13 @@ class ChunkScope:
 
 
 _SQLITE_SEARCH = f"""
-SELECT {SQLITE_TABLE}.rowid, bm25({SQLITE_TABLE}) AS rank
+SELECT {SQLITE_TABLE}.rowid, bm25({SQLITE_TABLE}) AS score
 FROM {SQLITE_TABLE}
 JOIN chunks ON chunks.id = {SQLITE_TABLE}.rowid
 JOIN documents ON documents.id = chunks.document_id
 JOIN collections ON collections.id = documents.collection_id
 WHERE {SQLITE_TABLE} MATCH :match AND documents.status = 'ready' {{filters}}
-ORDER BY rank, {SQLITE_TABLE}.rowid
+ORDER BY score, {SQLITE_TABLE}.rowid
 LIMIT :k
 """
 
