@@ -27,9 +27,12 @@ POSTGRES_TOTALS = "chunk_lexemes_totals"  # one row: chunks and terms held, for 
 LEXICAL_TABLE_PREFIXES = (SQLITE_TABLE, POSTGRES_TABLE)
 
 _INSERT_SQLITE = text(f"INSERT INTO {SQLITE_TABLE} (rowid, terms) VALUES (:id, :terms)")
+# One statement per batch (arrays, not executemany), so the totals trigger fires once per batch.
 _INSERT_POSTGRES = text(
     f"INSERT INTO {POSTGRES_TABLE} (chunk_id, num_terms, terms) "
-    "VALUES (:id, :num_terms, CAST(:terms AS tsvector))"
+    "SELECT id, num_terms, CAST(terms AS tsvector) FROM unnest("
+    "CAST(:ids AS bigint[]), CAST(:num_terms AS integer[]), CAST(:terms AS text[])"
+    ") AS batch (id, num_terms, terms)"
 )
 
 
@@ -52,11 +55,12 @@ def insert_chunk_terms(
     terms = [index_terms(analyzer, t) for t in texts]
     dialect = db.dialect if isinstance(db, Connection) else db.get_bind().dialect
     if dialect.name == "postgresql":
-        rows = [
-            {"id": int(i), "num_terms": len(ts), "terms": tsvector_literal(ts)}
-            for i, ts in zip(chunk_ids, terms, strict=True)
-        ]
-        db.execute(_INSERT_POSTGRES, rows)
+        batch = {
+            "ids": [int(i) for i in chunk_ids],
+            "num_terms": [len(ts) for ts in terms],
+            "terms": [tsvector_literal(ts) for ts in terms],
+        }
+        db.execute(_INSERT_POSTGRES, batch)
     else:
         rows = [
             {"id": int(i), "terms": " ".join(ts)} for i, ts in zip(chunk_ids, terms, strict=True)
