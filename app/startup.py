@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
@@ -59,6 +60,15 @@ def load_embedder(state: AppState) -> str | None:
     return None
 
 
+def _evidence_warmer(state: AppState) -> Callable[[list[str]], None] | None:
+    """Embeds a new document's sentences for its evidence spans, at ingest, where a question
+    does not wait on it."""
+    finder, embedder = state.evidence, state.embedder
+    if finder is None or embedder is None:
+        return None
+    return lambda texts: finder.warm(texts, embedder)
+
+
 def load_index(state: AppState) -> str | None:
     """Open the index, fail interrupted ingests, reconcile with the DB, start the ingest service.
 
@@ -94,6 +104,7 @@ def load_index(state: AppState) -> str | None:
         num_workers=settings.ingest_workers,
         queue_size=settings.ingest_queue_size,
         analyzer=analyzer,
+        on_ready=_evidence_warmer(state),
     )
     # First-stage order until the reranker loader swaps in a reranking retriever.
     state.retriever = make_retriever(state, index, None, lexical)

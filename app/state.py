@@ -20,6 +20,7 @@ from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.metrics import Metrics
 from prefixrag.app.services.qa import QAPipeline
+from prefixrag.retrieval.evidence import EvidenceFinder
 
 if TYPE_CHECKING:
     from prefixrag.app.prompt.builder import PromptBuilder
@@ -73,6 +74,10 @@ class AppState:
         self.ingest: IngestService | None = None
         self.llm: LLMService | None = None
         self.prompts: PromptBuilder | None = None
+        # held for the process: it caches each chunk's sentence vectors
+        self.evidence = (
+            EvidenceFinder(max_spans=settings.evidence_spans) if settings.evidence_spans else None
+        )
         self.metrics = Metrics(llm=lambda: self.llm, sessions=lambda: self.sessions)
         self.components: dict[str, str] = {}
         self.loaders: list[ComponentLoader] = []
@@ -160,6 +165,7 @@ class AppState:
             prompts=self.prompts,
             settings=self.settings,
             on_retrieval=self.metrics.observe_retrieval,
+            evidence=self.evidence,
         )
 
     def check_db(self) -> None:

@@ -19,7 +19,10 @@ class SamplingParams:
     -> value added, OpenAI's) first, then vLLM's ``repetition_penalty`` (a token seen in the
     prompt or the output has a positive logit divided by it, a negative one multiplied by it),
     then OpenAI's ``frequency_penalty`` and ``presence_penalty`` (subtract ``freq * count +
-    pres * (count > 0)``, counted over the generated tokens). See engine/penalties.py.
+    pres * (count > 0)``, counted over the generated tokens). Last, ``no_repeat_ngram_size=n``
+    (Hugging Face's) bans every token that would complete an n-gram the output already holds, so
+    no run of n tokens is generated twice (the prompt is not counted: an answer may quote its
+    sources). See engine/penalties.py.
 
     ``logprobs=k`` reports, for every generated token, its log-probability and the ``k`` most
     likely alternatives (0: the token's own only; None: nothing). They are the model's raw
@@ -41,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    no_repeat_ngram_size: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -69,6 +73,10 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
+            raise ValueError(
+                f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}"
+            )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
@@ -84,6 +92,7 @@ class SamplingParams:
             self.presence_penalty != 0
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
+            or self.no_repeat_ngram_size > 0
         )
 
 

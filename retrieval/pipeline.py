@@ -47,10 +47,12 @@ class Hit(Generic[P]):
 
 @dataclass(slots=True)
 class RetrievalResult(Generic[P]):
-    """Hits, best first, and how long each stage took (embed_ms, search_ms, rerank_ms)."""
+    """Hits, best first, how long each stage took (embed_ms, search_ms, rerank_ms), and the
+    query's embedding (for callers that score more text against the same query)."""
 
     hits: list[Hit[P]]
     timings: dict[str, float] = field(default_factory=dict)
+    query_vector: np.ndarray | None = None
 
 
 class Retriever:
@@ -141,7 +143,7 @@ class Retriever:
         if hits and self.is_reranking:
             hits = self._rerank(query, hits)
         timings["rerank_ms"] = _ms_since(t0)
-        return RetrievalResult(hits[:top_k], timings)
+        return RetrievalResult(hits[:top_k], timings, query_vector)
 
     def _fuse(
         self,

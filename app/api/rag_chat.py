@@ -67,10 +67,15 @@ async def rag_chat_completion(
 
 
 def sources_block(cited: list[CitationOut]) -> str:
-    """The sources as text appended to the answer ("" when there are none)."""
+    """The sources as text appended to the answer ("" when there are none): a "[n] title" line
+    per source, then its best evidence span quoted on an indented line."""
     if not cited:
         return ""
-    lines = [f"[{c.n}] {c.title}" + ("" if c.page is None else f", page {c.page}") for c in cited]
+    lines = []
+    for c in cited:
+        lines.append(f"[{c.n}] {c.title}" + ("" if c.page is None else f", page {c.page}"))
+        if c.evidence:
+            lines.append(f"    > {c.evidence[0].one_line()}")
     return SOURCES_MARK + "\n".join(lines)
 
 
@@ -96,7 +101,7 @@ async def _prepare(
             max_tokens=body.wanted_max_tokens(),
             temperature=body.temperature,
             history=history,
-            **body.sampling_kwargs(),
+            **body.sampling_fields(),
         )
         return await qa.prepare_answer(pipeline=pipeline, query=query, tenant=tenant)
     except ValidationError as exc:

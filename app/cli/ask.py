@@ -13,6 +13,7 @@ from typing import Any, TextIO
 import httpx
 
 from prefixrag.app.core.settings import Settings
+from prefixrag.app.schemas.query import EvidenceOut
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -89,7 +90,8 @@ def ask(
 
 
 def print_sources(citations: list[dict[str, Any]], out: TextIO) -> None:
-    """ "Sources:" then one "[n] title, page p" line per citation (nothing when there are none)."""
+    """ "Sources:" then one "[n] title, page p" line per citation, each followed by its evidence
+    spans as quoted, indented lines ("(no sources)" when there are none)."""
     if not citations:
         out.write("\n(no sources)\n")
         return
@@ -97,6 +99,8 @@ def print_sources(citations: list[dict[str, Any]], out: TextIO) -> None:
     for c in citations:
         page = "" if c.get("page") is None else f", page {c['page']}"
         out.write(f"[{c['n']}] {c['title']}{page}\n")
+        for span in c.get("evidence", ()):
+            out.write(f"    > {EvidenceOut(**span).one_line()}\n")
 
 
 def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -87,6 +87,13 @@ class Settings(BaseSettings):
     max_question_chars: int = Field(4000, ge=1)
     max_tokens_cap: int = Field(2048, ge=1)
     default_max_tokens: int = Field(256, ge=1)
+    # Q&A answers (/v1/query, prefixrag-rag), chosen on bench/answer_eval.py's tuning half: they
+    # never generate a run of this many tokens twice (0: off; without it the packaged model
+    # loops on one sentence in most answers), and get this many tokens unless a request says
+    answer_no_repeat_ngram_size: int = Field(4, ge=0, le=64)
+    answer_max_tokens: int = Field(128, ge=1)
+    # evidence spans: the best sentences of each cited chunk for the question (0 turns them off)
+    evidence_spans: int = Field(2, ge=0, le=8)
 
     # serving
     host: str = "127.0.0.1"

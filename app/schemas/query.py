@@ -60,8 +60,27 @@ class QueryIn(SamplingControls):
         return self
 
 
+class EvidenceOut(BaseModel):
+    """A sentence (or two) of the cited chunk that best answers the question: `text` is
+    `chunk.text[start:end]`, and `document_start`/`document_end` are the same span in the
+    document's text. `score` ranks the spans of one answer (higher is better)."""
+
+    start: int
+    end: int
+    document_start: int
+    document_end: int
+    text: str
+    score: float
+
+    def one_line(self, limit: int = 300) -> str:
+        """The span's text on one line (each run of whitespace as one space), cut to `limit`
+        characters: how the CLI and the chat model's sources block quote it."""
+        flat = " ".join(self.text.split())
+        return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 class CitationOut(BaseModel):
-    """A source the answer may cite as [n]."""
+    """A source the answer may cite as [n], with its `evidence` spans, best first."""
 
     n: int
     document_id: int
@@ -72,6 +91,7 @@ class CitationOut(BaseModel):
     end: int
     page: int | None
     score: float
+    evidence: list[EvidenceOut] = Field(default_factory=list)
 
 
 class UsageOut(BaseModel):

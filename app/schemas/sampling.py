@@ -28,16 +28,29 @@ class SamplingControls(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     # JSON object keys are strings: "50256" arrives as token id 50256
     logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # Hugging Face's: no run of this many tokens is generated twice (0: off; unset: the route's
+    # default, which is off except for the Q&A answers, see Settings.answer_no_repeat_ngram_size)
+    no_repeat_ngram_size: int | None = Field(None, ge=0, le=64)
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """These fields as SamplingParams keyword arguments."""
+    def sampling_kwargs(self, *, no_repeat_ngram_size: int = 0) -> dict[str, Any]:
+        """These fields as SamplingParams keyword arguments; `no_repeat_ngram_size` is the
+        route's default for a request that leaves it unset."""
         return {
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
             "min_p": self.min_p,
             "logit_bias": dict(self.logit_bias or {}),
+            "no_repeat_ngram_size": (
+                no_repeat_ngram_size
+                if self.no_repeat_ngram_size is None
+                else self.no_repeat_ngram_size
+            ),
         }
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """These fields as they were sent (unset ones as None), to hand to another body."""
+        return self.model_dump(include=set(SamplingControls.model_fields))
 
 
 def out_of_vocabulary(logit_bias: dict[int, float] | None, vocab_size: int) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,8 @@ class IngestService:
     The chunk indexes are the vector index and the chunks' BM25 terms in the database. The terms
     are written in every retrieval mode (so switching to hybrid needs no rebuild), in the
     transaction of the chunk rows, with `analyzer` (the one the lexical search queries with).
+    `on_ready` is called with a document's chunk texts once it is ready (to warm caches; a
+    failure there is logged and leaves the document ready).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class IngestService:
         num_workers: int = 1,
         queue_size: int = 64,
         analyzer: Analyzer | None = None,
+        on_ready: Callable[[list[str]], None] | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
             raise ValueError("num_workers and queue_size must be at least 1")
@@ -116,6 +120,7 @@ class IngestService:
         self._embedder = embedder
         self._index = index
         self._analyzer = analyzer if analyzer is not None else Analyzer()
+        self._on_ready = on_ready
         self._chunker = chunker
         self._max_upload_bytes = max_upload_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="ingest")
@@ -257,6 +262,11 @@ class IngestService:
             if added is not None:
                 self._remove_from_indexes(added)
             raise
+        if self._on_ready is not None:
+            try:
+                self._on_ready([c.text for c in chunks])
+            except Exception:  # a cache that could not warm costs a later question, not this
+                logger.exception("warming caches for document %d failed", document_id)
 
     def _remove_from_indexes(self, ids: np.ndarray) -> None:
         self._index.remove(ids)

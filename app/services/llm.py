@@ -87,11 +87,13 @@ class LLMService:
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def resolve_max_tokens(self, requested: int | None) -> int:
-        """The max_tokens a request gets: the default when it names none, InvalidInputError
-        (422) past `max_tokens_cap`."""
+    def resolve_max_tokens(self, requested: int | None, default: int | None = None) -> int:
+        """The max_tokens a request gets: `default` (else the settings' default_max_tokens, and
+        never past `max_tokens_cap`) when it names none, InvalidInputError (422) past
+        `max_tokens_cap`."""
         if requested is None:
-            return self.settings.default_max_tokens
+            default = self.settings.default_max_tokens if default is None else default
+            return min(default, self.settings.max_tokens_cap)
         if requested > self.settings.max_tokens_cap:
             raise InvalidInputError(
                 f"max_tokens must be at most {self.settings.max_tokens_cap}, got {requested}"

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputErr
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
-from prefixrag.app.schemas.query import CitationOut, QueryIn, TurnIn, UsageOut
+from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.search import search
@@ -31,13 +32,15 @@ from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
-from prefixrag.retrieval.pipeline import Hit, Retriever
+from prefixrag.retrieval.evidence import EvidenceFinder, EvidenceSpan
+from prefixrag.retrieval.pipeline import Hit, RetrievalResult, Retriever
 
 
 @dataclass(slots=True, frozen=True)
 class QAPipeline:
     """What answering a question needs, loaded: the database, the retriever, the LLM and the
-    prompt builder, with the settings that bound a question (and where retrieval times go)."""
+    prompt builder, with the settings that bound a question (and where retrieval times go).
+    `evidence` finds each citation's best sentences (None: citations carry no spans)."""
 
     sessions: sessionmaker[Session]
     retriever: Retriever
@@ -45,6 +48,7 @@ class QAPipeline:
     prompts: PromptBuilder
     settings: Settings
     on_retrieval: Callable[[dict[str, float]], None] | None = None
+    evidence: EvidenceFinder | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +60,7 @@ class PreparedAnswer:
     retrieval_ms: dict[str, float]
     started: float  # time.perf_counter() when the request arrived
     tenant: str
+    evidence: dict[int, list[EvidenceSpan]]  # chunk id -> its best spans, best first
 
 
 async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -> PreparedAnswer:
@@ -71,14 +76,17 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
                 f"{settings.max_question_chars} are allowed"
             )
     llm = pipeline.llm
-    max_tokens = llm.resolve_max_tokens(query.max_tokens)
+    max_tokens = llm.resolve_max_tokens(query.max_tokens, settings.answer_max_tokens)
     bad_bias = out_of_vocabulary(query.logit_bias, llm.vocab_size)
     if bad_bias is not None:
         raise InvalidInputError(bad_bias)
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=query.temperature, **query.sampling_kwargs()
+        max_tokens=max_tokens,
+        temperature=query.temperature,
+        **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
-    history, hits, timings = await run_in_threadpool(_read, pipeline, query, tenant)
+    history, found = await run_in_threadpool(_read, pipeline, query, tenant)
+    hits, timings = found.hits, dict(found.timings)
     if pipeline.on_retrieval is not None:
         pipeline.on_retrieval(timings)
     room = llm.max_model_len - max_tokens
@@ -93,19 +101,49 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         history=history,
         cached_prefix_len=(lambda ids: llm.cached_prefix_len(ids, scope)) if follow_cache else None,
     )
-    return PreparedAnswer(prompt, params, timings, started, tenant)
+    evidence = await run_in_threadpool(
+        _find_evidence, pipeline, query.question, found.query_vector, prompt, timings
+    )
+    return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
+
+
+def _find_evidence(
+    pipeline: QAPipeline,
+    question: str,
+    question_vector: np.ndarray | None,
+    prompt: BuiltPrompt,
+    timings: dict[str, float],
+) -> dict[int, list[EvidenceSpan]]:
+    """Each citable source's best spans for this question (earlier turns' sources too: the
+    answer may rest on them), timed into `timings["evidence_ms"]`. `question_vector` is
+    retrieval's embedding of the question, when it made one."""
+    finder = pipeline.evidence
+    sources = [source for _, source in prompt.numbered]
+    if finder is None or not sources:
+        return {}
+    t0 = time.perf_counter()
+    retriever = pipeline.retriever
+    found = finder.find(
+        question,
+        [s.text for s in sources],
+        embedder=retriever.embedder,
+        reranker=retriever.reranker if retriever.is_reranking else None,
+        question_vector=question_vector,
+    )
+    timings["evidence_ms"] = (time.perf_counter() - t0) * 1000.0
+    return {s.chunk_id: spans for s, spans in zip(sources, found, strict=True)}
 
 
 def _read(
     pipeline: QAPipeline, query: QueryIn, tenant: str
-) -> tuple[list[Turn], list[Hit[Chunk]], dict[str, float]]:
+) -> tuple[list[Turn], RetrievalResult[Chunk]]:
     # One session for everything this question reads: earlier turns, then retrieval.
     with pipeline.sessions() as session:
         history = history_turns(session=session, query=query, tenant=tenant)
-        hits, timings = _retrieve(
+        found = _retrieve(
             session=session, pipeline=pipeline, question=query.question, query=query, tenant=tenant
         )
-    return history, hits, timings
+    return history, found
 
 
 def history_turns(*, session: Session, query: QueryIn, tenant: str) -> list[Turn]:
@@ -175,9 +213,9 @@ async def recover_chunk_ids(
         chunk_ids: list[list[int]] = []
         with pipeline.sessions() as session:
             for question in questions:
-                hits, _ = _retrieve(
+                hits = _retrieve(
                     session=session, pipeline=pipeline, question=question, query=None, tenant=tenant
-                )
+                ).hits
                 new = [hit.chunk_id for hit in hits if hit.chunk_id not in seen]
                 chunk_ids.append(new)
                 seen.update(new)
@@ -219,6 +257,17 @@ def citations(prepared: PreparedAnswer) -> list[CitationOut]:
             end=s.end,
             page=s.page,
             score=s.score,
+            evidence=[
+                EvidenceOut(
+                    start=e.start,
+                    end=e.end,
+                    document_start=s.start + e.start,
+                    document_end=s.start + e.end,
+                    text=s.text[e.start : e.end],
+                    score=e.score,
+                )
+                for e in prepared.evidence.get(s.chunk_id, ())
+            ],
         )
         for n, s in prepared.prompt.numbered
     ]
@@ -241,11 +290,13 @@ def usage(result: GenerationResult) -> UsageOut:
 
 
 def timings(prepared: PreparedAnswer, result: GenerationResult) -> dict[str, float]:
-    """Retrieval stages, TTFT and TPOT of the engine, and the whole request, in ms."""
+    """Retrieval stages, evidence spans, TTFT and TPOT of the engine, and the whole request,
+    in ms."""
     return {
         "embed_ms": prepared.retrieval_ms.get("embed_ms", 0.0),
         "search_ms": prepared.retrieval_ms.get("search_ms", 0.0),
         "rerank_ms": prepared.retrieval_ms.get("rerank_ms", 0.0),
+        "evidence_ms": prepared.retrieval_ms.get("evidence_ms", 0.0),
         "ttft_ms": result.ttft_s * 1000.0,
         "tpot_ms": result.tpot_s * 1000.0,
         "total_ms": (time.perf_counter() - prepared.started) * 1000.0,
@@ -265,11 +316,11 @@ def _retrieve(
     question: str,
     query: QueryIn | None,
     tenant: str,
-) -> tuple[list[Hit[Chunk]], dict[str, float]]:
+) -> RetrievalResult[Chunk]:
     settings = pipeline.settings
     top_k = (query.top_k if query else None) or settings.default_top_k
     candidates = (query.candidates if query else None) or settings.default_candidates
-    found = search(
+    return search(
         session=session,
         retriever=pipeline.retriever,
         query=question,
@@ -279,4 +330,3 @@ def _retrieve(
         collection=query.collection if query else None,
         document_ids=query.document_ids if query else None,
     )
-    return found.hits, dict(found.timings)

@@ -168,7 +168,7 @@ class Turn {
     );
     const source = document.createElement("blockquote");
     source.className = "cite-text";
-    source.textContent = c.text;
+    source.replaceChildren(...highlighted(c.text, c.evidence || []));
     const where = span("muted cite-where", `document ${c.document_id}, characters ${c.start}–${c.end}`);
     details.append(summary, source, where);
     item.append(details);
@@ -283,4 +283,29 @@ function statRow(term, value, key) {
 function ms(value) {
   if (value == null || Number.isNaN(value)) return "–";
   return value >= 1000 ? `${(value / 1000).toFixed(2)} s` : `${Math.round(value)} ms`;
+}
+
+/**
+ * The chunk's text as nodes, with its evidence spans (offsets into the text, best first) in
+ * <mark> elements; the best span is marked "top" so a reader finds it first.
+ */
+function highlighted(text, evidence) {
+  const spans = evidence
+    .map((e, rank) => ({ start: e.start, end: e.end, rank }))
+    .filter((e) => 0 <= e.start && e.start < e.end && e.end <= text.length)
+    .sort((a, b) => a.start - b.start);
+  const nodes = [];
+  let last = 0;
+  for (const { start, end, rank } of spans) {
+    if (start < last) continue; // overlapping spans: the earlier one is shown
+    nodes.push(text.slice(last, start));
+    const mark = document.createElement("mark");
+    mark.className = rank === 0 ? "evidence top" : "evidence";
+    mark.title = rank === 0 ? "Best evidence for the question" : "Evidence for the question";
+    mark.textContent = text.slice(start, end);
+    nodes.push(mark);
+    last = end;
+  }
+  nodes.push(text.slice(last));
+  return nodes;
 }

@@ -55,6 +55,7 @@ def fuzz_server(
             database_url=database_url,
             max_tokens_cap=MAX_TOKENS,
             default_max_tokens=MAX_TOKENS,
+            answer_max_tokens=MAX_TOKENS,
             max_upload_bytes=16 * 1024,
         )
         with live_server(create_app(app_settings)) as base:

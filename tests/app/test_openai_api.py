@@ -141,6 +141,7 @@ def test_malformed_json_is_a_422_with_an_openai_body(server):
         ({"presence_penalty": -2.1}, "presence_penalty", "-2"),
         ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
         ({"min_p": 1.1}, "min_p", "1"),
+        ({"no_repeat_ngram_size": 65}, "no_repeat_ngram_size", "64"),
         ({"logit_bias": {"5": 150}}, "logit_bias.5", "100"),
         ({"logit_bias": {"-3": 1}}, "logit_bias.-3.[key]", "0"),
         ({"logit_bias": {"999999": 1}}, "logit_bias", "vocabulary"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ from sqlalchemy import select
 from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.main import create_app
 from prefixrag.app.prompt.builder import Source
+from prefixrag.app.schemas.query import QueryIn
+from prefixrag.app.services import qa as qa_service
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state
 from tests.app.qa_helpers import ingest_docs, parse_sse, qa_settings
 
@@ -64,7 +67,7 @@ def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):
     assert out["chunk_ids"] == [c["chunk_id"] for c in cited]
     assert out["usage"]["completion_tokens"] <= 8
     assert set(out["timings"]) == {
-        "embed_ms", "search_ms", "rerank_ms", "ttft_ms", "tpot_ms", "total_ms"
+        "embed_ms", "search_ms", "rerank_ms", "evidence_ms", "ttft_ms", "tpot_ms", "total_ms"
     }  # fmt: skip
 
 
@@ -152,6 +155,7 @@ def test_no_matching_documents_still_answers_without_sources(qa):
         ({"question": QUESTION, "presence_penalty": -3}, "presence_penalty"),
         ({"question": QUESTION, "repetition_penalty": 0}, "repetition_penalty"),
         ({"question": QUESTION, "min_p": 1.5}, "min_p"),
+        ({"question": QUESTION, "no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
         ({"question": QUESTION, "logit_bias": {"5": 101}}, "logit_bias"),
         ({"question": QUESTION, "logit_bias": {"10000000": 1}}, "vocabulary"),
     ],
@@ -175,6 +179,31 @@ def test_logit_bias_and_penalties_reach_the_answer(qa):
     # a greedy answer that repeats its sources' words
     penalised = ask(client, question=QUESTION, max_tokens=24, repetition_penalty=5.0, min_p=0.1)
     assert penalised["answer"] != ask(client, question=QUESTION, max_tokens=24)["answer"]
+
+
+def test_answers_default_to_the_settings_repeat_ban_and_a_request_overrides_it(qa):
+    client, _ = qa
+    state = app_state(client)
+    pipeline = state.qa_pipeline()
+    default = state.settings.answer_no_repeat_ngram_size
+
+    def params(**body: Any) -> Any:
+        query = QueryIn(question=QUESTION, **body)
+        prepared = asyncio.run(
+            qa_service.prepare_answer(pipeline=pipeline, query=query, tenant="default")
+        )
+        return prepared.params
+
+    assert params().no_repeat_ngram_size == default
+    assert params(no_repeat_ngram_size=0).no_repeat_ngram_size == 0
+    assert params(no_repeat_ngram_size=default + 3).no_repeat_ngram_size == default + 3
+    # the ban reaches the engine: banning every generated token changes a greedy answer that
+    # repeats one
+    looped = ask(client, max_tokens=24, no_repeat_ngram_size=0)["answer"]
+    banned = ask(client, max_tokens=24, no_repeat_ngram_size=1)["answer"]
+    tok = state.llm.engine.tokenizer
+    if len(set(tok.encode(looped))) < len(tok.encode(looped)):
+        assert banned != looped
 
 
 def test_no_request_is_left_in_the_engine_after_answers(qa):

@@ -56,7 +56,12 @@ def test_answer_is_grounded_with_sources(client: openai.OpenAI):
     # the last user message is the question: the lighthouse page is among the sources
     assert any("beam" in c["text"] for c in citations)
     lines = content.split("\n\nSources:\n")[1].splitlines()
-    assert lines == [f"[{c['n']}] {c['title']}" for c in citations]
+    expected = []
+    for c in citations:  # each source, then its best evidence span quoted
+        best = c["evidence"][0]
+        assert best["text"] == c["text"][best["start"] : best["end"]]
+        expected += [f"[{c['n']}] {c['title']}", "    > " + " ".join(best["text"].split())]
+    assert lines == expected
     assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens <= 10
     assert response.model == RAG_MODEL
 

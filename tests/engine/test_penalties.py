@@ -112,3 +112,61 @@ def test_a_hugely_negative_bias_bans_a_token_and_a_positive_one_forces_it():
     draws = [s.sample(x, [i, 100 + i], [banned, forced]) for i in range(50)]
     assert {d[0] for d in draws} == {2}
     assert {d[1] for d in draws} == {1}
+
+
+INF = float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("size", "generated", "banned"),
+    [
+        # after 2 2 3, the bigram heads: (2)->{2, 3}, (3)->{}; the last token is 3: nothing banned
+        (2, [2, 2, 3], set()),
+        # after 2 3 2, head (2) was followed by 3: 3 is banned
+        (2, [2, 3, 2], {3}),
+        # unigrams: every generated token is banned
+        (1, [2, 2, 3], {2, 3}),
+        # trigram (2, 3) -> 1 seen once; the output ends in 2 3 again
+        (3, [2, 3, 1, 2, 3], {1}),
+        # the prompt never counts: 0 and 4 stay allowed
+        (1, [], set()),
+    ],
+)
+def test_no_repeat_ngram_bans_exactly_the_tokens_completing_a_generated_ngram(
+    size, generated, banned
+):
+    out = adjusted(SamplingParams(no_repeat_ngram_size=size), generated)
+    assert out == [INF if t in banned else x for t, x in enumerate(LOGITS)]
+
+
+def test_no_repeat_ngram_matches_a_brute_force_search_over_random_outputs():
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        size = int(torch.randint(1, 5, (1,), generator=rng))
+        generated = torch.randint(0, 5, (int(torch.randint(0, 12, (1,), generator=rng)),),
+                                  generator=rng).tolist()  # fmt: skip
+        tail = generated[len(generated) - size + 1 :] if size > 1 else []
+        # reference: t is banned when tail + [t] occurs as a contiguous run of the output
+        runs = {tuple(generated[i : i + size]) for i in range(len(generated) - size + 1)}
+        ok = len(generated) >= size - 1
+        expected = {t for t in range(5) if ok and (*tail, t) in runs}
+        out = adjusted(SamplingParams(no_repeat_ngram_size=size), generated)
+        assert {t for t, x in enumerate(out) if x == INF} == expected, (size, generated)
+
+
+def test_greedy_decoding_never_repeats_an_ngram_it_generated():
+    # a model that loops 0 1 2 0 1 2 ... greedily; with trigrams banned it has to leave the loop
+    cycle = {0: 1, 1: 2, 2: 0, 3: 0, 4: 0}
+    s = Sampler()
+    p = SamplingParams(temperature=0, no_repeat_ngram_size=3)
+    s.start(1, [4], p)
+    out: list[int] = []
+    last = 2
+    for _ in range(12):
+        x = torch.full((1, 5), -1.0)
+        x[0, cycle[last]] = 5.0
+        last = s.sample(x, [1], [p])[0]
+        out.append(last)
+    trigrams = [tuple(out[i : i + 3]) for i in range(len(out) - 2)]
+    assert len(trigrams) == len(set(trigrams))
+    assert out[:3] == [0, 1, 2]  # the model's own choice until a repeat would start

@@ -1,0 +1,219 @@
+"""Evidence spans: the sentences of each retrieved chunk that best answer the question.
+
+A citation says which chunk an answer rests on; a span says which lines. Sentences are scored in
+two stages, as retrieval itself is:
+1. every sentence by the embedder's cosine to the question, plus a small bonus for the share of
+   the question's terms it holds (the embedder alone favours sentences that restate the topic
+   over the one that answers). Sentence vectors depend only on the chunk, so they are cached per
+   chunk text (in float16: half the memory, and rounding far below the gaps that rank
+   sentences), and a chunk seen before costs one matrix product. Embedding a new chunk's
+   sentences is the expensive part (about 0.1 s per chunk on two CPU cores), so ingest warms the
+   cache with each new document's chunks (`warm`);
+2. when a cross-encoder is loaded, the `shortlist` best sentences of each chunk by stage 1 are
+   scored again by it, in one batch, and its order wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixrag.retrieval.analyzer import Analyzer
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.reranker import Reranker
+from prefixrag.retrieval.sentences import sentence_spans
+
+# Weight of the question-term share next to the cosine, chosen on the tuning half of
+# bench/data/python_docs_qa.json (bench/answer_eval.py --evidence-only reports the sweep).
+TERM_WEIGHT = 0.3
+EXTEND_MARGIN = 0.1
+
+
+@dataclass(slots=True, frozen=True)
+class EvidenceSpan:
+    """A sentence of a chunk: `text[start:end]` of the chunk's text, and its score (cosine-based
+    or the cross-encoder's logit; comparable only within one question)."""
+
+    start: int
+    end: int
+    score: float
+
+
+@dataclass(slots=True)
+class _ChunkSentences:
+    spans: list[tuple[int, int]]
+    vectors: np.ndarray  # float16 [len(spans), dim], unit rows
+    terms: list[frozenset[str]]
+
+
+class EvidenceFinder:
+    """Finds each chunk's best sentences for a question; thread-safe.
+
+    `max_spans` spans are kept per chunk, best first; the cross-encoder, when there is one, reads
+    the `shortlist` best sentences of each chunk (default: max(4, max_spans)). `cache_chunks`
+    bounds the per-chunk sentence cache (about 8 KB per chunk with a 384-wide embedder).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_spans: int = 2,
+        shortlist: int | None = None,
+        cache_chunks: int = 8192,
+        term_weight: float = TERM_WEIGHT,
+        extend_margin: float = EXTEND_MARGIN,
+        analyzer: Analyzer | None = None,
+    ) -> None:
+        shortlist = max(4, max_spans) if shortlist is None else shortlist
+        if max_spans < 1 or shortlist < max_spans:
+            raise ValueError(f"need 1 <= max_spans <= shortlist, got {max_spans}, {shortlist}")
+        if cache_chunks < 0 or term_weight < 0:
+            raise ValueError("cache_chunks and term_weight must be >= 0")
+        self.max_spans = max_spans
+        self.shortlist = shortlist
+        self.cache_chunks = cache_chunks
+        self.term_weight = term_weight
+        self.extend_margin = extend_margin
+        self.analyzer = analyzer if analyzer is not None else Analyzer()
+        self._cache: OrderedDict[bytes, _ChunkSentences] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def find(
+        self,
+        question: str,
+        texts: Sequence[str],
+        *,
+        embedder: Embedder,
+        reranker: Reranker | None = None,
+        question_vector: np.ndarray | None = None,
+    ) -> list[list[EvidenceSpan]]:
+        """Per text, its best sentences for `question`, best first (empty for a text with no
+        words). `question_vector` is the embedder's vector of the question when the caller has
+        it already (retrieval computed it)."""
+        if not texts:
+            return []
+        sentences = self._sentences(texts, embedder)
+        if question_vector is None:
+            question_vector = embedder.encode_query(question)
+        question_terms = frozenset(self.analyzer.terms(question))
+        first = [self._first_stage(s, question_vector, question_terms) for s in sentences]
+        ranked = [_best(scores, self.shortlist) for scores in first]
+        if reranker is not None and reranker.is_available:
+            ranked = self._rerank(question, texts, sentences, ranked, reranker)
+        return [
+            self._pick(chunk, order, scores)
+            for chunk, order, scores in zip(sentences, ranked, first, strict=True)
+        ]
+
+    @property
+    def num_cached(self) -> int:
+        """How many chunks' sentences are cached."""
+        with self._lock:
+            return len(self._cache)
+
+    def warm(self, texts: Sequence[str], embedder: Embedder) -> None:
+        """Embed and cache the sentences of `texts` not cached yet (at most `cache_chunks` of
+        them: the newest win), so the first question citing them pays no embedding."""
+        self._sentences(texts[-self.cache_chunks :] if self.cache_chunks else [], embedder)
+
+    def _first_stage(
+        self, chunk: _ChunkSentences, question_vector: np.ndarray, question_terms: frozenset[str]
+    ) -> np.ndarray:
+        scores = chunk.vectors.astype(np.float32) @ question_vector.astype(np.float32)
+        if question_terms and self.term_weight and chunk.spans:
+            share = [len(question_terms & terms) / len(question_terms) for terms in chunk.terms]
+            scores = scores + self.term_weight * np.asarray(share, dtype=np.float32)
+        return scores
+
+    def _pick(
+        self, chunk: _ChunkSentences, ranked: list[tuple[int, float]], first: np.ndarray
+    ) -> list[EvidenceSpan]:
+        """The best sentences as spans, each widened to a neighbour that scores within
+        `extend_margin` of it in the first stage (an answer often takes two sentences: "The
+        pass statement does nothing. It can be used when ...")."""
+        spans: list[EvidenceSpan] = []
+        used: set[int] = set()
+        for i, score in ranked:
+            if len(spans) == self.max_spans:
+                break
+            if i in used:
+                continue
+            lo = hi = i
+            neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(chunk.spans) and j not in used]
+            if neighbours:
+                j = max(neighbours, key=lambda j: float(first[j]))
+                if first[j] >= first[i] - self.extend_margin:
+                    lo, hi = min(i, j), max(i, j)
+            used.update(range(lo, hi + 1))
+            spans.append(EvidenceSpan(chunk.spans[lo][0], chunk.spans[hi][1], score))
+        return spans
+
+    def _rerank(
+        self,
+        question: str,
+        texts: Sequence[str],
+        sentences: list[_ChunkSentences],
+        shortlists: list[list[tuple[int, float]]],
+        reranker: Reranker,
+    ) -> list[list[tuple[int, float]]]:
+        pairs = [
+            (c, i)
+            for c, (text, chunk, ranked) in enumerate(
+                zip(texts, sentences, shortlists, strict=True)
+            )
+            for i, _ in ranked
+        ]
+        sentence_texts = [texts[c][slice(*sentences[c].spans[i])] for c, i in pairs]
+        scores = reranker.score(question, sentence_texts)
+        if scores is None:  # the model went away between the check and the call
+            return shortlists
+        reranked: list[list[tuple[int, float]]] = [[] for _ in texts]
+        for (c, i), score in zip(pairs, scores.tolist(), strict=True):
+            reranked[c].append((i, float(score)))
+        return [sorted(ranked, key=lambda item: -item[1]) for ranked in reranked]
+
+    def _sentences(self, texts: Sequence[str], embedder: Embedder) -> list[_ChunkSentences]:
+        model = embedder.model_name_or_path.encode()
+        keys = [hashlib.blake2b(model + b"\0" + t.encode(), digest_size=16).digest() for t in texts]
+        found: dict[int, _ChunkSentences] = {}
+        with self._lock:
+            for n, key in enumerate(keys):
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                    found[n] = hit
+        missing = [n for n in range(len(texts)) if n not in found]
+        if missing:
+            # one batch for every new chunk's sentences: the embedder's cost is per call
+            spans = {n: sentence_spans(texts[n]) for n in missing}
+            flat = [texts[n][lo:hi] for n in missing for lo, hi in spans[n]]
+            vectors = embedder.encode(flat)
+            row = 0
+            for n in missing:
+                count = len(spans[n])
+                found[n] = _ChunkSentences(
+                    spans[n],
+                    vectors[row : row + count].astype(np.float16),
+                    [frozenset(self.analyzer.terms(texts[n][lo:hi])) for lo, hi in spans[n]],
+                )
+                row += count
+            self._remember({keys[n]: found[n] for n in missing})
+        return [found[n] for n in range(len(texts))]
+
+    def _remember(self, new: dict[bytes, _ChunkSentences]) -> None:
+        with self._lock:
+            for key, value in new.items():
+                self._cache[key] = value
+                self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_chunks:
+                self._cache.popitem(last=False)
+
+
+def _best(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [(int(i), float(scores[i])) for i in order]

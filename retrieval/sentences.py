@@ -1,0 +1,73 @@
+"""Sentence spans of a chunk's text, as character offsets, for evidence highlighting.
+
+A line break ends a sentence: in the documents we serve it ends a list item, a heading, a table
+row or a code line even when no full stop does. Inside a line, a sentence ends at . ! or ?
+followed by space and something that can open a sentence, unless the word before the stop is a
+common abbreviation. A fragment that doesn't stand alone is joined to the next span, up to a
+length a person still reads as one highlight: a short one (a bullet's label, one code token),
+and a line that ends with no stop at all (an API signature or a heading, whose next sentence
+says what it is).
+"""
+
+from __future__ import annotations
+
+import re
+
+_LINE = re.compile(r"[^\n]+")
+# the break after a sentence: its stop, closing quotes or brackets, then the space before the next
+_BREAK = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9`*_>])")
+_LAST_WORD = re.compile(r"(\w+)\.[\"')\]]*$")
+_ABBREVIATIONS = frozenset(
+    {"e.g", "i.e", "etc", "vs", "cf", "al", "approx", "fig", "no", "mr", "mrs", "dr", "st", "sec"}
+)
+_WORD = re.compile(r"\w+")
+_STOPS = ".!?:;"
+
+MIN_CHARS = 40  # a span shorter than this is joined to the next one...
+MAX_JOINED_CHARS = 240  # ...while the two together stay this short
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """Spans (start, end) of `text`'s sentences in order, without surrounding whitespace; each
+    holds at least one word. `text[start:end]` is the sentence."""
+    pieces: list[tuple[int, int]] = []
+    for line in _LINE.finditer(text):
+        start = line.start()
+        for cut in _BREAK.finditer(text, line.start(), line.end()):
+            if not _is_abbreviation(text[start : cut.start()]):
+                pieces.append((start, cut.start()))
+                start = cut.end()
+        pieces.append((start, line.end()))
+    spans = [_strip(text, lo, hi) for lo, hi in pieces]
+    return _join_short(text, [s for s in spans if _WORD.search(text, s[0], s[1])])
+
+
+def _is_abbreviation(sentence: str) -> bool:
+    found = _LAST_WORD.search(sentence)
+    if found is None:
+        return False
+    word = found.group(1).lower()
+    # "e.g." ends in "g." after "e."; single letters are initials ("J. Smith")
+    tail = sentence[: found.end()].lower().rstrip("\"')]")
+    return word in _ABBREVIATIONS or len(word) == 1 or tail.endswith(("e.g.", "i.e."))
+
+
+def _strip(text: str, lo: int, hi: int) -> tuple[int, int]:
+    while lo < hi and text[lo].isspace():
+        lo += 1
+    while hi > lo and text[hi - 1].isspace():
+        hi -= 1
+    return lo, hi
+
+
+def _join_short(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    joined: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if joined:
+            prev_lo, prev_hi = joined[-1]
+            dangling = prev_hi - prev_lo < MIN_CHARS or text[prev_hi - 1] not in _STOPS
+            if dangling and hi - prev_lo <= MAX_JOINED_CHARS:
+                joined[-1] = (prev_lo, hi)
+                continue
+        joined.append((lo, hi))
+    return joined

@@ -1,0 +1,136 @@
+"""Evidence spans: the answering sentence wins, offsets are exact, sentence vectors are cached,
+and a loaded cross-encoder has the last word."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.evidence import EvidenceFinder
+from prefixrag.retrieval.reranker import Reranker
+from prefixrag.retrieval.sentences import sentence_spans
+from tests.retrieval.tiny_cross_encoder import KEYWORD
+
+NEVER = float("-inf")  # an extend_margin no neighbour passes: single sentences only
+
+LIGHTHOUSE = (
+    "The lighthouse stands on a granite cliff above the harbour town. "
+    "Its keeper climbed the spiral stairs every evening to light the lamp. "
+    "Ships far out at sea used the beam to avoid the rocky coast during storms. "
+    "In the morning he wrote the weather into a leather logbook."
+)
+GARDEN = (
+    "Tomatoes need plenty of sun and regular watering through the summer.\n"
+    "Compost and well-drained loam keep the roots healthy and free of rot.\n"
+    "Aphids can be washed off the leaves with a gentle spray of soapy water."
+)
+
+
+class CountingEmbedder:
+    """The real embedder, counting the texts it is asked to encode."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self._embedder = embedder
+        self.model_name_or_path = embedder.model_name_or_path
+        self.encoded: list[str] = []
+
+    def encode(self, texts):
+        self.encoded.extend(texts)
+        return self._embedder.encode(texts)
+
+    def encode_query(self, text):
+        return self._embedder.encode_query(text)
+
+
+def test_the_sentence_that_answers_wins_in_each_chunk(embedder: Embedder):
+    finder = EvidenceFinder(max_spans=2, extend_margin=NEVER)  # single sentences only
+    found = finder.find(
+        "How did ships avoid the rocky coast in storms?", [LIGHTHOUSE, GARDEN], embedder=embedder
+    )
+    top = LIGHTHOUSE[found[0][0].start : found[0][0].end]
+    assert top == "Ships far out at sea used the beam to avoid the rocky coast during storms."
+    for text, spans in zip([LIGHTHOUSE, GARDEN], found, strict=True):
+        assert len(spans) == 2 and spans[0].score >= spans[1].score
+        assert {(s.start, s.end) for s in spans} <= set(sentence_spans(text))
+
+
+def test_scores_are_the_cosine_plus_the_question_term_share(embedder: Embedder):
+    question = "What keeps the roots healthy?"
+    finder = EvidenceFinder(max_spans=3, term_weight=0.5, extend_margin=NEVER)
+    spans = finder.find(question, [GARDEN], embedder=embedder)[0]
+    q = embedder.encode_query(question)
+    for span in spans:
+        sentence = GARDEN[span.start : span.end]
+        cosine = float(embedder.encode([sentence])[0] @ q)
+        q_terms = set(finder.analyzer.terms(question))
+        share = len(q_terms & set(finder.analyzer.terms(sentence))) / len(q_terms)
+        # sentence vectors are kept in float16
+        assert span.score == pytest.approx(cosine + 0.5 * share, abs=2e-3)
+    assert GARDEN[spans[0].start : spans[0].end].startswith("Compost")
+
+
+def test_a_neighbour_within_the_margin_widens_the_span(embedder: Embedder):
+    question = "How did ships avoid the rocky coast in storms?"
+    narrow = EvidenceFinder(max_spans=1, extend_margin=NEVER).find(
+        question, [LIGHTHOUSE], embedder=embedder
+    )[0][0]
+    wide = EvidenceFinder(max_spans=1, extend_margin=10.0).find(
+        question, [LIGHTHOUSE], embedder=embedder
+    )[0][0]
+    assert wide.start <= narrow.start and narrow.end <= wide.end
+    assert (wide.end - wide.start) > (narrow.end - narrow.start)
+    assert (wide.start, wide.end) != (narrow.start, narrow.end)
+
+
+def test_sentence_vectors_are_cached_per_chunk_and_evicted_oldest_first(embedder: Embedder):
+    counting = CountingEmbedder(embedder)
+    finder = EvidenceFinder(cache_chunks=1)
+    first = finder.find("Where is the lighthouse?", [LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
+    assert len(counting.encoded) == len(sentence_spans(LIGHTHOUSE))
+    again = finder.find("Where is the lighthouse?", [LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
+    assert again == first and len(counting.encoded) == len(sentence_spans(LIGHTHOUSE))
+    finder.find("What do tomatoes need?", [GARDEN], embedder=counting)  # type: ignore[arg-type]
+    finder.find("Where is the lighthouse?", [LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
+    expected = 2 * len(sentence_spans(LIGHTHOUSE)) + len(sentence_spans(GARDEN))
+    assert len(counting.encoded) == expected  # the one-chunk cache dropped the lighthouse
+
+
+def test_a_warmed_chunk_costs_no_embedding_at_question_time(embedder: Embedder):
+    counting = CountingEmbedder(embedder)
+    finder = EvidenceFinder()
+    finder.warm([LIGHTHOUSE, GARDEN], counting)  # type: ignore[arg-type]
+    warmed = len(counting.encoded)
+    assert finder.num_cached == 2 and warmed == len(sentence_spans(LIGHTHOUSE)) + len(
+        sentence_spans(GARDEN)
+    )
+    finder.find("What keeps roots healthy?", [GARDEN, LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
+    assert len(counting.encoded) == warmed
+
+
+def test_texts_without_sentences_get_no_spans(embedder: Embedder):
+    found = EvidenceFinder().find("anything?", ["", " --- ", GARDEN], embedder=embedder)
+    assert found[0] == found[1] == [] and len(found[2]) == 2
+
+
+@pytest.mark.slow  # trains the tiny cross-encoder first
+def test_a_loaded_cross_encoder_orders_the_shortlist(embedder: Embedder, tiny_cross_encoder: Path):
+    reranker = Reranker(str(tiny_cross_encoder), device="cpu")
+    assert reranker.is_available
+    text = (
+        "The river runs past the stone bridge near the old castle walls.\n"
+        f"A {KEYWORD} tree grows in the garden behind the window of the house.\n"
+        "The forest beyond the desert is home to a tiger and its cubs."
+    )
+    finder = EvidenceFinder(max_spans=3, extend_margin=NEVER)
+    spans = finder.find("river stone bridge castle", [text], embedder=embedder, reranker=reranker)[
+        0
+    ]
+    assert KEYWORD in text[spans[0].start : spans[0].end]
+    pairs = [text[s.start : s.end] for s in spans]
+    expected = reranker.score("river stone bridge castle", pairs)
+    assert expected is not None
+    # padding differs between the two batches: scores agree to float32 noise, not bit for bit
+    np.testing.assert_allclose([s.score for s in spans], expected, atol=1e-2)

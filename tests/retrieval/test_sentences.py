@@ -1,0 +1,74 @@
+"""Sentence spans: exact offsets, breaks at lines and stops, abbreviations, short fragments."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixrag.retrieval.sentences import MAX_JOINED_CHARS, sentence_spans
+
+
+def texts(text: str) -> list[str]:
+    return [text[lo:hi] for lo, hi in sentence_spans(text)]
+
+
+def test_prose_splits_at_each_stop_followed_by_a_new_sentence():
+    text = (
+        "The pass statement does nothing at all here. It can be used when a statement is "
+        "required! Is that all there is to know? Yes, that is all of it."
+    )
+    assert texts(text) == [
+        "The pass statement does nothing at all here.",
+        "It can be used when a statement is required!",
+        "Is that all there is to know? Yes, that is all of it.",  # the first is short: joined
+    ]
+
+
+def test_abbreviations_and_initials_do_not_end_a_sentence():
+    text = (
+        "Use a container, e.g. a list or a tuple, for the values you keep around. "
+        "The module was written by J. Smith for the standard library of the language."
+    )
+    assert texts(text) == [
+        "Use a container, e.g. a list or a tuple, for the values you keep around.",
+        "The module was written by J. Smith for the standard library of the language.",
+    ]
+
+
+def test_a_line_break_always_ends_a_span_but_a_signature_joins_its_description():
+    text = (
+        "sorted(iterable, /, *, key=None, reverse=False)\n"
+        "Return a new sorted list from the items in iterable.\n\n"
+        "  - first item of a list that is long enough to stand on its own line;\n"
+        "  - second item of the same list, also long enough to stand alone.\n"
+    )
+    assert texts(text) == [
+        "sorted(iterable, /, *, key=None, reverse=False)\n"
+        "Return a new sorted list from the items in iterable.",
+        "- first item of a list that is long enough to stand on its own line;",
+        "- second item of the same list, also long enough to stand alone.",
+    ]
+
+
+def test_text_without_words_has_no_spans():
+    assert sentence_spans("") == []
+    assert sentence_spans("  \n --- \n ... \n") == []
+
+
+@given(st.text(alphabet=st.sampled_from("ab .!?\n\t(\"'Ee.g"), max_size=300))
+def test_spans_are_ordered_disjoint_stripped_and_hold_a_word(text: str):
+    spans = sentence_spans(text)
+    last = 0
+    for lo, hi in spans:
+        assert last <= lo < hi <= len(text)
+        piece = text[lo:hi]
+        assert piece == piece.strip() and any(c.isalnum() for c in piece)
+        last = hi
+
+
+@given(st.lists(st.text(alphabet="abcdefgh ", min_size=1, max_size=60), max_size=20))
+def test_joined_spans_stay_short_enough_to_read_as_one_highlight(lines: list[str]):
+    text = "\n".join(lines)
+    for lo, hi in sentence_spans(text):
+        # a span longer than the limit is never a join: it is one line as it was written
+        assert hi - lo <= MAX_JOINED_CHARS or "\n" not in text[lo:hi]
