@@ -17,7 +17,7 @@ from prefixrag.app.services.llm import LLMService, engine_config_from_settings, 
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
-    from prefixrag.retrieval.lexical import LexicalIndex
+    from prefixrag.retrieval.lexical import LexicalSearch
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
     from prefixrag.retrieval.vector_index import VectorIndex
@@ -70,16 +70,16 @@ def _evidence_warmer(state: AppState) -> Callable[[list[str]], None] | None:
 
 
 def load_index(state: AppState) -> str | None:
-    """Open the index, fail interrupted ingests, reconcile with the DB, build BM25 (hybrid mode),
-    start the ingest service."""
-    from prefixrag.app.services.index_sync import (
-        fail_interrupted,
-        rebuild_lexical_index,
-        reconcile_index,
-    )
+    """Open the index, fail interrupted ingests, reconcile with the DB, start the ingest service.
+
+    BM25 searches the database (hybrid mode), which holds the terms with the rows: nothing
+    lexical is built at start, whatever the corpus size.
+    """
+    from prefixrag.app.services.index_sync import fail_interrupted, reconcile_index
     from prefixrag.app.services.ingest import IngestService
+    from prefixrag.app.services.lexical import DatabaseLexicalIndex
+    from prefixrag.retrieval.analyzer import Analyzer
     from prefixrag.retrieval.chunking import Chunker
-    from prefixrag.retrieval.lexical import LexicalIndex
 
     state.require("db", "embedder")
     if state.sessions is None or state.embedder is None:
@@ -88,10 +88,11 @@ def load_index(state: AppState) -> str | None:
     fail_interrupted(sessions=state.sessions)
     reconcile_index(sessions=state.sessions, index=index, embedder=state.embedder)
     settings = state.settings
+    # one analyzer writes the terms and analyzes the queries
+    analyzer = Analyzer()
     lexical = None
     if settings.retrieval_mode == "hybrid":
-        lexical = LexicalIndex()
-        rebuild_lexical_index(sessions=state.sessions, lexical=lexical)
+        lexical = DatabaseLexicalIndex(state.sessions, analyzer)
     chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
     state.index = index
     state.ingest = IngestService(
@@ -102,7 +103,7 @@ def load_index(state: AppState) -> str | None:
         max_upload_bytes=settings.max_upload_bytes,
         num_workers=settings.ingest_workers,
         queue_size=settings.ingest_queue_size,
-        lexical=lexical,
+        analyzer=analyzer,
         on_ready=_evidence_warmer(state),
     )
     # First-stage order until the reranker loader swaps in a reranking retriever.
@@ -111,7 +112,7 @@ def load_index(state: AppState) -> str | None:
 
 
 def make_retriever(
-    state: AppState, index: VectorIndex, reranker: Reranker | None, lexical: LexicalIndex | None
+    state: AppState, index: VectorIndex, reranker: Reranker | None, lexical: LexicalSearch | None
 ) -> Retriever:
     """The retriever the settings ask for: dense, or dense + BM25 fusion when `lexical` is set."""
     from prefixrag.retrieval.pipeline import Retriever

@@ -30,9 +30,10 @@ from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.chunking import Chunk, Chunker
 from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.fts import Fts5Index
 from prefixrag.retrieval.fusion import rrf_fuse
 from prefixrag.retrieval.html_text import html_to_text
-from prefixrag.retrieval.lexical import LexicalIndex, searchable_text
+from prefixrag.retrieval.lexical import searchable_text
 from prefixrag.retrieval.parsing import ParsedDocument, Section
 from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.vector_index import VectorIndex
@@ -121,10 +122,10 @@ def run_config(
     index = VectorIndex(embedder.dim, use_gpu="no")
     index.add(ids, cached_embeddings(embedder, texts))
     embed_s = time.perf_counter() - t0
-    lexical = {name: LexicalIndex(analyzer) for name, analyzer in ANALYZERS.items()}
+    lexical = {name: Fts5Index(analyzer) for name, analyzer in ANALYZERS.items()}
     for lex in lexical.values():
         lex.add(ids, texts)
-    with_heading = LexicalIndex()  # what the service indexes
+    with_heading = Fts5Index()  # what the service indexes (SQLite FTS5, as the service's DB)
     with_heading.add(ids, [searchable_text(c.text, c.heading) for c in chunks])
 
     query_vectors = embedder.encode([q["q"] for q in questions])
@@ -171,7 +172,7 @@ ANALYZERS: dict[str, Analyzer] = {
 }
 
 
-def _lexical_run(lex: LexicalIndex, questions: list[dict]) -> list[list[int]]:
+def _lexical_run(lex: Fts5Index, questions: list[dict]) -> list[list[int]]:
     return [lex.search(q["q"], CANDIDATES)[1].tolist() for q in questions]
 
 

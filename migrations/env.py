@@ -6,6 +6,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from prefixrag.app.core.db import make_engine
+from prefixrag.app.core.lexical import is_lexical_table
 from prefixrag.app.core.models import Base
 from prefixrag.app.core.settings import get_settings
 
@@ -18,6 +19,11 @@ def _database_url() -> str:
     return url or get_settings().resolved_database_url
 
 
+def _include_name(name: str | None, type_: str, _parents: object) -> bool:
+    # the lexical store's tables (FTS5 and its shadow tables, tsvectors) are no ORM models
+    return not (type_ == "table" and is_lexical_table(name))
+
+
 def _configure(conn: Connection) -> None:
     context.configure(
         connection=conn,
@@ -25,6 +31,7 @@ def _configure(conn: Connection) -> None:
         # SQLite cannot ALTER most things in place: batch mode copies the table instead.
         render_as_batch=conn.dialect.name == "sqlite",
         compare_type=True,
+        include_name=_include_name,
     )
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.fusion import RRF_K, rrf_scores
-from prefixrag.retrieval.lexical import LexicalIndex
+from prefixrag.retrieval.lexical import LexicalSearch
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
 
@@ -58,7 +58,7 @@ class RetrievalResult(Generic[P]):
 class Retriever:
     """The ask-path retrieval: dense search, optional BM25 fusion, optional cross-encoder rerank.
 
-    With a `lexical` index (hybrid mode), the `candidates` best chunks by vector and the
+    With a `lexical` store (hybrid mode), the `candidates` best chunks by vector and the
     `candidates` best by BM25, both over the whole allowed corpus, are merged by weighted
     reciprocal-rank fusion (BM25's weight `lexical_weight`, the vector's 1); the fused score is
     each hit's `score`. bench/retrieval_eval.py measures the modes. Without a usable reranker,
@@ -71,7 +71,7 @@ class Retriever:
         index: VectorIndex,
         reranker: Reranker | None,
         *,
-        lexical: LexicalIndex | None = None,
+        lexical: LexicalSearch | None = None,
         lexical_weight: float = 1.0,
         rrf_k: float = RRF_K,
     ) -> None:
@@ -104,8 +104,13 @@ class Retriever:
         candidates: int,
         allowed_ids: np.ndarray | None,
         load_passages: PassageLoader[P],
+        lexical_scope: Any = None,
     ) -> RetrievalResult[P]:
         """The top_k chunks for `query` among `allowed_ids` (None = all), best first.
+
+        `lexical_scope` is the same filter in the lexical store's own terms (it filters inside
+        its query); it must allow exactly the chunks `allowed_ids` allows. When None, the store
+        gets `allowed_ids` (stores scoped by ids, such as Fts5Index), so no filter is dropped.
 
         `load_passages` maps chunk ids to the caller's passages; it is called once: for every
         candidate when a reranker reads their texts, else for the first top_k. Ids it doesn't
@@ -126,7 +131,8 @@ class Retriever:
         found = ids[0] >= 0
         ranked = [(int(i), float(s)) for i, s in zip(ids[0][found], scores[0][found], strict=True)]
         if self.lexical is not None:
-            ranked = self._fuse(query, ranked, self.lexical, candidates, allowed_ids)
+            scope = lexical_scope if lexical_scope is not None else allowed_ids
+            ranked = self._fuse(query, ranked, self.lexical, candidates, scope)
         timings["search_ms"] = _ms_since(t0)
         # rerank
         t0 = time.perf_counter()
@@ -143,11 +149,11 @@ class Retriever:
         self,
         query: str,
         dense: list[tuple[int, float]],
-        lexical: LexicalIndex,
+        lexical: LexicalSearch,
         candidates: int,
-        allowed_ids: np.ndarray | None,
+        scope: Any,
     ) -> list[tuple[int, float]]:
-        _, lexical_ids = lexical.search(query, candidates, allowed_ids)
+        _, lexical_ids = lexical.search(query, candidates, scope)
         dense_ids = [chunk_id for chunk_id, _ in dense]
         fused = rrf_scores(
             [dense_ids, lexical_ids.tolist()], [1.0, self.lexical_weight], self.rrf_k

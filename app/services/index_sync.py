@@ -1,5 +1,5 @@
-"""Keep the chunk indexes equal to the ready chunks: repair FAISS at start (and rebuild it on
-demand); build the BM25 index from the database at start."""
+"""Keep the vector index equal to the ready chunks: repair FAISS at start (and rebuild it on
+demand). The BM25 terms live in the database with the rows, so they never need this."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from prefixrag.app.core.models import Chunk, Document
 
 if TYPE_CHECKING:
     from prefixrag.retrieval.embedder import Embedder
-    from prefixrag.retrieval.lexical import LexicalIndex
     from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -140,28 +139,6 @@ def rebuild_index(
     index.save()
     logger.info("rebuilt the vector index: %d vectors", num_vectors)
     return num_vectors
-
-
-def rebuild_lexical_index(
-    *, sessions: sessionmaker[Session], lexical: LexicalIndex, batch_size: int = 2048
-) -> int:
-    """Empty `lexical` and index every ready chunk (heading and text); returns the chunk count.
-
-    NOTE: BM25 is rebuilt at each start rather than persisted: tokenizing is fast next to
-    embedding, and a rebuilt index can never disagree with the database.
-    """
-    from prefixrag.retrieval.lexical import searchable_text
-
-    lexical.reset()
-    num_chunks = 0
-    for rows in iter_ready_chunks(
-        sessions=sessions, columns=(Chunk.text, Chunk.heading), batch_size=batch_size
-    ):
-        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-        lexical.add(ids, [searchable_text(r[1], r[2]) for r in rows])
-        num_chunks += len(rows)
-    logger.info("built the BM25 index: %d chunks", num_chunks)
-    return num_chunks
 
 
 def fail_interrupted(*, sessions: sessionmaker[Session]) -> int:

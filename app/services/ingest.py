@@ -30,8 +30,10 @@ from prefixrag.app.core.errors import (
     ServiceError,
     UnsupportedTypeError,
 )
+from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import DEFAULT_TENANT, Chunk, Document
 from prefixrag.app.services.collections import get_or_create_collection
+from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.lexical import searchable_text
 from prefixrag.retrieval.parsing import (
     DocumentParseError,
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
     from prefixrag.retrieval.chunking import Chunk as TextChunk
     from prefixrag.retrieval.chunking import Chunker
     from prefixrag.retrieval.embedder import Embedder
-    from prefixrag.retrieval.lexical import LexicalIndex
     from prefixrag.retrieval.vector_index import VectorIndex
 
 logger = logging.getLogger(__name__)
@@ -93,9 +94,11 @@ class IngestTicket:
 class IngestService:
     """Owns the ingest worker pool and every write to documents, chunks and the chunk indexes.
 
-    The chunk indexes are the vector index and, in hybrid retrieval, the BM25 `lexical` index;
-    both always hold the same chunk ids. `on_ready` is called with a document's chunk texts once
-    it is ready (to warm caches; a failure there is logged and leaves the document ready).
+    The chunk indexes are the vector index and the chunks' BM25 terms in the database. The terms
+    are written in every retrieval mode (so switching to hybrid needs no rebuild), in the
+    transaction of the chunk rows, with `analyzer` (the one the lexical search queries with).
+    `on_ready` is called with a document's chunk texts once it is ready (to warm caches; a
+    failure there is logged and leaves the document ready).
     """
 
     def __init__(
@@ -108,7 +111,7 @@ class IngestService:
         max_upload_bytes: int,
         num_workers: int = 1,
         queue_size: int = 64,
-        lexical: LexicalIndex | None = None,
+        analyzer: Analyzer | None = None,
         on_ready: Callable[[list[str]], None] | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
@@ -116,7 +119,7 @@ class IngestService:
         self._sessions = sessions
         self._embedder = embedder
         self._index = index
-        self._lexical = lexical
+        self._analyzer = analyzer if analyzer is not None else Analyzer()
         self._on_ready = on_ready
         self._chunker = chunker
         self._max_upload_bytes = max_upload_bytes
@@ -159,7 +162,8 @@ class IngestService:
 
     def delete(self, document_id: int, tenant: str | None = None) -> None:
         """Remove a document, its chunk rows and their vectors; the index is saved after.
-        With `tenant`, another tenant's document is not found."""
+        The chunks' BM25 terms go with the rows (same delete). With `tenant`, another tenant's
+        document is not found."""
         with self._sessions() as session:
             doc = session.get(Document, document_id)
             if doc is None or (tenant is not None and doc.collection.tenant != tenant):
@@ -244,11 +248,10 @@ class IngestService:
                 session.add_all(rows)
                 session.flush()
                 ids = np.asarray([r.id for r in rows], dtype=np.int64)
+                texts = [searchable_text(c.text, c.heading) for c in chunks]
+                insert_chunk_terms(session, self._analyzer, ids.tolist(), texts)
                 added = ids
                 self._index.add(ids, vectors)
-                if self._lexical is not None:
-                    texts = [searchable_text(c.text, c.heading) for c in chunks]
-                    self._lexical.add(ids, texts)
                 self._index.save()
                 doc = session.get(Document, document_id)
                 if doc is None:
@@ -267,8 +270,6 @@ class IngestService:
 
     def _remove_from_indexes(self, ids: np.ndarray) -> None:
         self._index.remove(ids)
-        if self._lexical is not None:
-            self._lexical.remove(ids)
         self._index.save()
 
     def _set_status(self, document_id: int, status: str, error: str | None = None) -> None:

@@ -1,5 +1,6 @@
-"""Search: resolve filters to chunk ids in the DB, retrieve inside FAISS, and load the hits'
-chunk rows (text, offsets, document title) in one read."""
+"""Search: resolve filters to chunk ids in the DB, retrieve inside FAISS (and BM25 inside the
+database, filtered in its SQL), and load the hits' chunk rows (text, offsets, document title) in
+one read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, contains_eager
 
 from prefixrag.app.core.models import Chunk, Collection, Document
+from prefixrag.app.services.lexical import ChunkScope
 from prefixrag.retrieval.pipeline import RetrievalResult, Retriever
 
 
@@ -80,4 +82,6 @@ def search(
         candidates=max(candidates, top_k),
         allowed_ids=allowed,
         load_passages=lambda ids: load_ready_chunks(session, ids),
+        # the same filters, applied inside the lexical store's SQL
+        lexical_scope=ChunkScope(tenant, collection, document_ids),
     )

@@ -1,9 +1,11 @@
 """Crash safety: `kill -9` the real server in the middle of an ingestion or a deletion, restart it
-on the same data dir, and check that the database and the FAISS index file still agree.
+on the same data dir, and check that the database, its BM25 terms and the FAISS index file still
+agree.
 
 The invariants, checked on the stopped server's files (the reference is the database itself):
 no document is left pending/processing; every ready document has chunk ordinals 0..n-1; a
-failed document has a reason and no chunks; the index holds exactly the ready chunk ids.
+failed document has a reason and no chunks; the index holds exactly the ready chunk ids; the
+database holds BM25 terms for exactly the chunk rows.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker
 from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.services.index_sync import reconcile_index
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_internals import faiss
 from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
@@ -154,6 +157,7 @@ class StoreState:
     ordinals: dict[int, list[int]]
     chunk_ids: dict[int, set[int]]
     index_ids: set[int]
+    lexical_ids: set[int]
     partial_saves: list[Path]
 
     def ready_chunk_ids(self) -> set[int]:
@@ -172,6 +176,7 @@ def read_store(data_dir: Path, database_url: str) -> StoreState:
             chunks = conn.execute(
                 select(Chunk.document_id, Chunk.id, Chunk.ordinal).order_by(Chunk.ordinal)
             ).all()
+        lexical_ids = set(DatabaseLexicalIndex(make_sessionmaker(engine)).ids().tolist())
     finally:
         engine.dispose()
     state = StoreState(
@@ -180,6 +185,7 @@ def read_store(data_dir: Path, database_url: str) -> StoreState:
         ordinals={d.id: [] for d in docs},
         chunk_ids={d.id: set() for d in docs},
         index_ids=saved_index_ids(index_path),
+        lexical_ids=lexical_ids,
         partial_saves=sorted(index_path.parent.glob(".*")),
     )
     for document_id, chunk_id, ordinal in chunks:
@@ -207,6 +213,8 @@ def assert_consistent(store: StoreState) -> None:
             assert store.errors[doc], f"failed document {doc} has no reason"
             assert not store.chunk_ids[doc], f"failed document {doc} still holds chunks"
     assert store.index_ids == store.ready_chunk_ids()
+    # the BM25 terms live with the rows: exactly one per chunk row, whatever the crash
+    assert store.lexical_ids == set().union(*store.chunk_ids.values())
     assert store.partial_saves == [], "temp files of unfinished index saves were left behind"
 
 

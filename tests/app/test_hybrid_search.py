@@ -1,15 +1,20 @@
-"""Hybrid retrieval in the service: BM25 stays equal to the ready chunks through ingest, delete and
-restart, and filters apply inside the BM25 search too (SQLite)."""
+"""Hybrid retrieval in the service: BM25 (in the database) stays equal to the ready chunks through
+ingest, delete and restart, a restart rebuilds nothing, and filters apply inside the BM25 search
+too (SQLite)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import Engine, event, select
 
 from prefixrag.app.core.models import Chunk, Document
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
 from prefixrag.retrieval.embedder import Embedder
 from tests.app.conftest import app_state, fresh_database, make_settings, started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, upload
@@ -28,8 +33,23 @@ def db_ready_ids(client: TestClient) -> list[int]:
 
 def lexical_ids(client: TestClient) -> list[int]:
     retriever = app_state(client).retriever
-    assert retriever is not None and retriever.lexical is not None
+    assert retriever is not None and isinstance(retriever.lexical, DatabaseLexicalIndex)
     return retriever.lexical.ids().tolist()
+
+
+@contextmanager
+def recorded_sql() -> Iterator[list[str]]:
+    """Every SQL statement any engine runs inside the block."""
+    statements: list[str] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)
 
 
 def search_ids(client: TestClient, query: str, **params: object) -> list[int]:
@@ -58,8 +78,11 @@ def test_bm25_follows_ingest_delete_and_restart(tmp_path: Path, embedder: Embedd
             assert docs["rare.txt"] not in search_ids(client, "zorbulite QX-7731", top_k=5)
             upload(client, "volcano.html", HTML.encode())
             before = db_ready_ids(client)
-        with started(settings, embedder) as client:  # BM25 is rebuilt from the database
+        with recorded_sql() as statements, started(settings, embedder) as client:
+            # consistent stores: the start read no chunk text and wrote no terms (no rebuild)
+            assert not [s for s in statements if "chunks.text" in s or "INSERT" in s.upper()]
             assert lexical_ids(client) == before == db_ready_ids(client)
+            assert search_ids(client, "volcano eruption", top_k=1)
 
 
 def test_filters_apply_inside_bm25(tmp_path: Path, embedder: Embedder) -> None:

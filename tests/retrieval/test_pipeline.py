@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.lexical import LexicalIndex
+from prefixrag.retrieval.fts import Fts5Index
 from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
@@ -31,8 +31,8 @@ def index(embedder: Embedder, corpus: dict[int, str]) -> VectorIndex:
 
 
 @pytest.fixture(scope="module")
-def lexical(corpus: dict[int, str]) -> LexicalIndex:
-    lexical = LexicalIndex()
+def lexical(corpus: dict[int, str]) -> Fts5Index:
+    lexical = Fts5Index()
     lexical.add(np.array(list(corpus), dtype=np.int64), list(corpus.values()))
     return lexical
 
@@ -112,7 +112,7 @@ def test_allowed_ids_are_respected(
     index: VectorIndex,
     corpus: dict[int, str],
     tiny_cross_encoder: Path,
-    lexical: LexicalIndex,
+    lexical: Fts5Index,
     hybrid: bool,
 ) -> None:
     allowed = np.array(list(corpus)[::5], dtype=np.int64)
@@ -134,7 +134,7 @@ def test_hybrid_fuses_dense_and_bm25_over_the_allowed_corpus(
     embedder: Embedder,
     index: VectorIndex,
     corpus: dict[int, str],
-    lexical: LexicalIndex,
+    lexical: Fts5Index,
     weight: float,
     rrf_k: float,
 ) -> None:
