@@ -200,7 +200,7 @@ def load_llm(state: AppState) -> str | None:
 def start_remote_engine(settings: Settings, config: EngineConfig) -> RemoteEngine:
     """Engine replicas on Ray Serve (settings.replicas of them), each pinning the stable prompt
     head as it starts; the ingress keeps only the tokenizer."""
-    from prefixrag.app.services.remote_engine import RemoteEngine, start_replicas
+    from prefixrag.app.services.remote_engine import RayConnection, RemoteEngine, start_replicas
     from prefixrag.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model, cache_dir=config.cache_dir)
@@ -208,8 +208,15 @@ def start_remote_engine(settings: Settings, config: EngineConfig) -> RemoteEngin
     if settings.prefix_cache:
         prompt_config = load_prompt_config(settings.system_prompt_file)
         pinned = PromptBuilder(tokenizer, prompt_config).stable_ids
-    handle = start_replicas(settings, config, pinned)
-    engine = RemoteEngine(handle, tokenizer, block_size=config.block_size, pinned_ids=pinned)
+    connection = RayConnection(settings.ray_address)
+    try:
+        handle = start_replicas(settings, config, pinned)
+        engine = RemoteEngine(
+            connection, handle, tokenizer, block_size=config.block_size, pinned_ids=pinned
+        )
+    except BaseException:
+        connection.close()
+        raise
     logger.info("llm: %d engine replicas on Ray Serve", settings.replicas)
     return engine
 

@@ -106,6 +106,8 @@ class Settings(BaseSettings):
     # queued requests a prefix's replica may have beyond the least-loaded one before the
     # least-loaded one serves the prompt instead
     replica_imbalance_threshold: int = Field(4, ge=0)
+    # "round_robin" ignores prefixes: only a baseline for bench/replica_bench.py
+    replica_routing: Literal["prefix", "round_robin"] = "prefix"
 
     @field_validator("chunk_overlap")
     @classmethod

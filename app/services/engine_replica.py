@@ -31,7 +31,8 @@ class EngineReplica:
     """The deployment's class: an AsyncEngine on ``config``, its stable prompt head pinned at
     start (so a replica that Ray restarts pins it again)."""
 
-    async def __init__(self, config: EngineConfig, pinned_ids: list[int]) -> None:
+    # Serve awaits an async constructor: the pin runs on the replica's event loop
+    async def __init__(self, config: EngineConfig, pinned_ids: list[int]) -> None:  # type: ignore[misc]
         self.replica_id, self.name = replica_identity()
         if config.chunk_disk_dir is not None:
             # replicas on one host must not share a disk tier: each writes its own files

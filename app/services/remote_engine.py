@@ -10,13 +10,14 @@ deleted document's chunks) go to each live replica by id.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixrag.app.core.errors import ReplicaUnavailableError
 from prefixrag.app.core.settings import Settings
@@ -46,32 +47,72 @@ REPLICA_ERRORS = (
 )
 
 
+class RayConnection:
+    """This process's membership of a Ray cluster: joins ``address``, or starts a local cluster
+    when it is empty, and leaves on ``close``.
+
+    NOTE: a local cluster's processes (GCS, raylet) die with the *thread* that started them
+    (Linux's parent-death signal is per thread), so ray.init runs on a thread of ours that
+    lives until ``close``, not on the loader thread that returns once the app has loaded.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._started = threading.Event()
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hold, name="prefixrag-ray", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _hold(self) -> None:
+        try:
+            if not ray.is_initialized():
+                ray.init(
+                    address=self.address or None,
+                    namespace=APP_NAME,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+        except BaseException as exc:  # handed to the constructor's caller
+            self._error = exc
+            return
+        finally:
+            self._started.set()
+        self._closed.wait()
+        ray.shutdown()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Delete the engine deployment and leave the cluster (a local one stops)."""
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            self._closed.set()
+            self._thread.join(timeout)
+
+
 def start_replicas(
     settings: Settings, config: EngineConfig, pinned_ids: list[int]
 ) -> DeploymentHandle:
-    """Start or join the Ray cluster (``ray_address``; a local one when empty) and run the
-    engine deployment: ``settings.replicas`` replicas of ``config``, each pinning
-    ``pinned_ids``, routed by prefix affinity. Serve's own HTTP proxy stays off: the FastAPI
-    app is the ingress."""
-    if not ray.is_initialized():
-        ray.init(
-            address=settings.ray_address or None,
-            namespace=APP_NAME,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    """Run the engine deployment on the connected cluster: ``settings.replicas`` replicas of
+    ``config``, each pinning ``pinned_ids``, routed by prefix affinity. Serve's own HTTP proxy
+    stays off: the FastAPI app is the ingress."""
     serve.start(proxy_location="Disabled")
-    router = RequestRouterConfig(
-        request_router_class=PrefixAffinityRouter,
-        request_router_kwargs={
-            "block_size": config.block_size,
-            "imbalance_threshold": settings.replica_imbalance_threshold,
-        },
-        request_routing_stats_period_s=1.0,
-        request_routing_stats_timeout_s=10.0,
+    router = RequestRouterConfig.model_validate(
+        {
+            "request_router_class": PrefixAffinityRouter,
+            "request_router_kwargs": {
+                "block_size": config.block_size,
+                "imbalance_threshold": settings.replica_imbalance_threshold,
+                "routing": settings.replica_routing,
+            },
+            "request_routing_stats_period_s": 1.0,
+            "request_routing_stats_timeout_s": 10.0,
+        }
     )
     deployment = serve.deployment(
-        EngineReplica,
         name=DEPLOYMENT_NAME,
         num_replicas=settings.replicas,
         # the engine batches continuously: a replica takes what LLMService admits
@@ -83,16 +124,8 @@ def start_replicas(
         request_router_config=router,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
-    )
+    )(EngineReplica)
     return serve.run(deployment.bind(config, pinned_ids), name=APP_NAME, route_prefix=None)
-
-
-def stop_replicas() -> None:
-    """Delete the engine deployment; leave the cluster (a local one stops with this process)."""
-    try:
-        serve.delete(APP_NAME)
-    finally:
-        ray.shutdown()
 
 
 def list_replicas() -> list[dict[str, Any]]:
@@ -101,7 +134,9 @@ def list_replicas() -> list[dict[str, Any]]:
     # NOTE: Serve's public status counts replicas by state but names none; the controller's
     # instance details (what the dashboard shows) do.
     client = serve.context._get_global_client()
-    details = ray.get(client._controller.get_serve_instance_details.remote())
+    if client is None:
+        return []
+    details: dict[str, Any] = ray.get(client._controller.get_serve_instance_details.remote())
     app = details.get("applications", {}).get(APP_NAME, {})
     deployment = app.get("deployments", {}).get(DEPLOYMENT_NAME, {})
     return [
@@ -120,12 +155,14 @@ class RemoteEngine:
 
     def __init__(
         self,
+        connection: RayConnection,
         handle: DeploymentHandle,
         tokenizer: Tokenizer,
         *,
         block_size: int,
         pinned_ids: Sequence[int] = (),
     ) -> None:
+        self.connection = connection
         self.handle = handle
         self.tokenizer = tokenizer
         self.pinned_ids = list(pinned_ids)
@@ -155,8 +192,14 @@ class RemoteEngine:
         Retry-After) when that replica dies or cannot be reached."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._sent.record("sent", self._sent.prefix_keys(prompt_ids, cache_scope))
-        stream = self.handle.options(stream=True).generate.remote(
-            prompt_ids=prompt_ids, params=params, cache_scope=cache_scope, chunk_spans=chunk_spans
+        stream = cast(
+            DeploymentResponseGenerator,
+            self.handle.options(stream=True).generate.remote(
+                prompt_ids=prompt_ids,
+                params=params,
+                cache_scope=cache_scope,
+                chunk_spans=chunk_spans,
+            ),
         )
         try:
             async for item in stream:
@@ -221,7 +264,7 @@ class RemoteEngine:
         return [{**r, **described.get(r["replica_id"], {})} for r in list_replicas()]
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        stop_replicas()
+        self.connection.close(timeout)
 
     def _describe_all(self) -> dict[str, dict[str, Any]]:
         described = {}

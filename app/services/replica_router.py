@@ -22,8 +22,13 @@ class PrefixAffinityRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``kwargs``: the fields of :class:`AffinityConfig` (the deployment's
-        request_router_kwargs)."""
+        request_router_kwargs), and ``routing``: "prefix", or "round_robin" to ignore prefixes
+        (the baseline that shows what affinity is worth)."""
+        self.routing = kwargs.pop("routing", "prefix")
+        if self.routing not in ("prefix", "round_robin"):
+            raise ValueError(f"routing must be 'prefix' or 'round_robin', got {self.routing!r}")
         self.policy: PrefixAffinityPolicy[str] = PrefixAffinityPolicy(AffinityConfig(**kwargs))
+        self._num_routed = 0
         # requests this router sent and Serve has not reported complete, per replica
         self.num_in_flight: dict[str, int] = {}
         self._keys_by_request: dict[str, list[bytes]] = {}
@@ -39,6 +44,10 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         if not candidate_replicas:
             return []
+        if self.routing == "round_robin":
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            self._num_routed += 1
+            return [[ordered[self._num_routed % len(ordered)]]]
         loads = {r.replica_id.unique_id: self._load_of(r) for r in candidate_replicas}
         keys: list[bytes] = []
         if "prompt_ids" in kwargs:
