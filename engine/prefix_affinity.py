@@ -24,15 +24,19 @@ ReplicaKey = TypeVar("ReplicaKey", bound=Hashable)
 
 @dataclass(slots=True, frozen=True)
 class ReplicaLoad:
-    """What a replica reports: requests waiting or running, and the share of its KV blocks in
-    use or cached (0..1)."""
+    """A replica's load: requests the router has sent it that are waiting or running (exact),
+    requests the replica itself last reported (possibly stale, but it sees every sender), and
+    the share of its KV blocks in use or cached (0..1)."""
 
     num_queued: int = 0
     cache_occupancy: float = 0.0
+    num_reported: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_queued < 0:
-            raise ValueError(f"num_queued must be >= 0, got {self.num_queued}")
+        if self.num_queued < 0 or self.num_reported < 0:
+            raise ValueError(
+                f"queue lengths must be >= 0, got {self.num_queued} and {self.num_reported}"
+            )
         if not 0.0 <= self.cache_occupancy <= 1.0:
             raise ValueError(f"cache_occupancy must be in [0, 1], got {self.cache_occupancy}")
 
@@ -114,7 +118,8 @@ class PrefixAffinityPolicy(Generic[ReplicaKey]):
         """The replica for a prompt with these block keys, among ``loads``' replicas.
 
         The longest remembered match wins, the less loaded among equal matches; with no match,
-        the least loaded, then the one remembering least (so new conversations spread).
+        the least loaded (by the router's own count, then the replica's report), then the one
+        remembering least (so new conversations spread).
         NOTE: when the winner has more than ``imbalance_threshold`` requests queued beyond the
         least-loaded replica, the least-loaded one serves instead (and learns the prefix), so a
         hot prefix spreads over replicas rather than queueing on one while others idle.
@@ -126,6 +131,7 @@ class PrefixAffinityPolicy(Generic[ReplicaKey]):
         order = {
             replica: (
                 load.num_queued,
+                load.num_reported,
                 self.num_remembered(replica),
                 load.cache_occupancy,
                 _rendezvous(replica, spread),

@@ -144,6 +144,7 @@ def list_replicas() -> list[dict[str, Any]]:
             "replica_id": r["replica_id"],
             "state": str(r["state"]),
             "pid": r.get("pid"),
+            "actor_name": r.get("actor_name"),
             "node_id": r.get("node_id"),
         }
         for r in deployment.get("replicas", [])

@@ -9,9 +9,12 @@ which only the replica holding the earlier turn can give.
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import ray
 from fastapi.testclient import TestClient
 
 from prefixrag.app.main import create_app
@@ -123,3 +126,102 @@ def test_openai_chat_follow_up_sticks_to_its_replica(cluster):
     assert second_home == first_home
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= first["usage"]["prompt_tokens"] // 16 * 16 - 16
+
+
+def chunk_entries_by_replica(client: TestClient) -> dict[str, float]:
+    """Chunk KV entries each replica holds in its pool and host tiers, from /metrics."""
+    pattern = re.compile(
+        r'^prefixrag_chunk_store_entries\{replica="([^"]+)",tier="(pool|host)"\} (\S+)$'
+    )
+    found: dict[str, float] = {}
+    for line in client.get("/metrics").text.splitlines():
+        match = pattern.match(line)
+        if match:
+            found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(3))
+    return found
+
+
+def long_completion(client: TestClient, prompt: str) -> Any:
+    # a raw prompt (no chat template): two of them share no leading block, so each goes to
+    # the least-loaded replica
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "prompt": prompt,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    return client.post("/v1/completions", json=body)
+
+
+def replicas_of(client: TestClient) -> list[dict[str, Any]]:
+    return client.get("/readyz").json().get("replicas", [])
+
+
+def wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    """Poll ``condition()`` until true (a state to reach, not a race to hide)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} (in {timeout_s} s)")
+        time.sleep(0.25)
+
+
+def test_a_replica_killed_mid_request_fails_only_its_requests(cluster):
+    client, _ = cluster
+    with ThreadPoolExecutor(2) as pool:
+        prompts = ("Foxes live in dens and", "Oceans cover most of the planet and")
+        futures = [pool.submit(long_completion, client, prompt) for prompt in prompts]
+        # both long generations are running, one on each replica
+        wait_for(
+            lambda: sorted(r.get("num_active", 0) for r in replicas_of(client)) == [1, 1],
+            60,
+            "the two generations did not start on two replicas: "
+            + repr([(r.get("name"), r.get("num_active")) for r in replicas_of(client)]),
+        )
+        victim = replicas_of(client)[0]
+        ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=False)
+        responses = sorted((f.result(timeout=120) for f in futures), key=lambda r: r.status_code)
+    assert [r.status_code for r in responses] == [200, 503], [r.text for r in responses]
+    assert responses[1].headers["Retry-After"].isdigit()
+    assert "retry" in responses[1].json()["error"]["message"]
+    # Serve replaces the dead replica; the service answers on both again
+    wait_for(
+        lambda: sum(r["state"].endswith("RUNNING") for r in replicas_of(client)) == 2,
+        90,
+        "the dead replica was not replaced",
+    )
+    live = {r["replica_id"] for r in replicas_of(client)}
+    assert victim["replica_id"] not in live
+    for topic in ("a fox", "the sea", "a cat"):
+        response = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct.Q4_1",
+                "messages": [{"role": "user", "content": f"One word about {topic}."}],
+                "max_tokens": 4,
+            },
+        )
+        assert response.status_code == 200, response.text
+
+
+def test_deleting_every_document_drops_its_chunk_kv_on_every_replica(cluster):
+    client, ids = cluster
+    # new conversations spread over the replicas until both hold source KV
+    questions = iter(
+        [
+            "What do aphids do to leaves?",
+            "What happens to aircraft after an eruption?",
+            "What did the keeper light each evening?",
+            "Which soil keeps roots healthy?",
+        ]
+    )
+    before = chunk_entries_by_replica(client)
+    while not (len(before) == 2 and all(n > 0 for n in before.values())):
+        ask(client, next(questions), [])
+        before = chunk_entries_by_replica(client)
+    assert len(before) == 2 and all(n > 0 for n in before.values()), before
+    for document_id in ids.values():
+        response = client.delete(f"/v1/documents/{document_id}")
+        assert response.status_code == 204, response.text
+    assert chunk_entries_by_replica(client) == {name: 0.0 for name in before}

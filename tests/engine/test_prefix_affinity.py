@@ -168,3 +168,12 @@ def test_bad_config_and_loads_are_refused() -> None:
         ReplicaLoad(cache_occupancy=1.5)
     with pytest.raises(ValueError):
         make_policy().choose([], {})
+
+
+def test_the_replicas_own_report_only_breaks_ties() -> None:
+    policy = make_policy()
+    # a report can be a stats period old: the router's own count comes first
+    loads = {"r0": ReplicaLoad(num_queued=0, num_reported=3), "r1": ReplicaLoad(num_queued=1)}
+    assert policy.choose([], loads).replica == "r0"
+    loads = {"r0": ReplicaLoad(num_reported=1), "r1": ReplicaLoad()}
+    assert policy.choose([], loads).replica == "r1"
