@@ -83,6 +83,16 @@ def test_locks_match_pyproject_and_carry_hashes() -> None:
         assert dev_lock[name][0] == version, f"{name}: {version} vs dev {dev_lock[name][0]}"
 
 
+def test_the_ray_lock_is_the_service_plus_ray_at_the_dev_locks_versions() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    dev_lock = read_lock(REPO / "requirements-dev.lock")
+    ray_lock = read_lock(REPO / "requirements-ray.lock")
+    assert_lock_satisfies(ray_lock, PYPROJECT["project"]["dependencies"] + extras["ray"])
+    for name, (version, hashes) in ray_lock.items():
+        assert hashes, f"{name}=={version} has no hash"
+        assert dev_lock[name][0] == version, f"{name}: {version} vs dev {dev_lock[name][0]}"
+
+
 def test_models_lock_pins_the_makefiles_models() -> None:
     makefile = (REPO / "Makefile").read_text()
     declared = re.search(r"^MODELS := (.+)$", makefile, re.MULTILINE)
@@ -159,7 +169,13 @@ def test_the_images_install_works_alone_outside_the_repo(tmp_path: Path) -> None
     steps = [f"pip install torch=={torch_pin()}", *steps[1:]]
     workdir = tmp_path / "srv"
     workdir.mkdir()
-    for name in ("requirements.lock", "models.lock", "pyproject.toml", "README.md"):
+    for name in (
+        "requirements.lock",
+        "requirements-ray.lock",
+        "models.lock",
+        "pyproject.toml",
+        "README.md",
+    ):
         (workdir / name).write_bytes((REPO / name).read_bytes())
     for root in ROOT_PACKAGES:
         subprocess.run(["cp", "-r", str(REPO / root), str(workdir / root)], check=True)
