@@ -187,7 +187,6 @@ class RemoteEngine:
         *,
         cache_scope: CacheScope = CacheScope(),
         chunk_spans: tuple[ChunkSpan, ...] = (),
-        request_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta | GenerationResult]:
         """The stream of the replica the router picks. ReplicaUnavailableError (503, with
         Retry-After) when that replica dies or cannot be reached."""
@@ -261,8 +260,12 @@ class RemoteEngine:
 
     def replicas(self) -> list[dict[str, Any]]:
         """Every replica Serve knows, with what a running one says of itself (blocking)."""
-        described = self._describe_all()
-        return [{**r, **described.get(r["replica_id"], {})} for r in list_replicas()]
+        try:
+            described = self._describe_all()
+            return [{**r, **described.get(r["replica_id"], {})} for r in list_replicas()]
+        except Exception as exc:  # /readyz must answer even when the cluster does not
+            logger.exception("cannot list the engine replicas")
+            return [{"state": f"error: {type(exc).__name__}: {exc}"}]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.connection.close(timeout)
