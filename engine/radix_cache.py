@@ -42,6 +42,29 @@ def block_key(parent_key: bytes, namespace: bytes, token_ids: Sequence[int]) -> 
     return h.digest()
 
 
+def chained_block_keys(
+    token_ids: Sequence[int],
+    cache_scope: CacheScope,
+    block_size: int,
+    *,
+    max_num_blocks: int | None = None,
+    hash_fn: HashFn = block_key,
+) -> list[bytes]:
+    """The keys the tree gives the leading full blocks of ``token_ids`` under ``cache_scope``
+    (at most ``max_num_blocks``): each block's key chains its parent's, from the root's ``b""``.
+    Whoever must agree with the tree on "the same prefix" (a replica router) hashes with this."""
+    num_blocks = len(token_ids) // block_size
+    if max_num_blocks is not None:
+        num_blocks = min(num_blocks, max_num_blocks)
+    keys: list[bytes] = []
+    parent = b""
+    for i in range(num_blocks):
+        block_ns = block_namespace(cache_scope, i, block_size)
+        parent = hash_fn(parent, block_ns, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        keys.append(parent)
+    return keys
+
+
 class RadixNode:
     """One cached full block. ``lock_ref`` and ``pin_ref`` count holders along the path to root."""
 

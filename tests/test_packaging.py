@@ -53,17 +53,43 @@ def assert_lock_satisfies(lock: dict[str, tuple[Version, list[str]]], deps: list
         )
 
 
+def expand_extras(deps: list[str]) -> list[str]:
+    """`deps` with each `prefixrag[extra]` replaced by that extra's own requirements."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    expanded = []
+    for dep in deps:
+        requirement = Requirement(dep)
+        if canonicalize_name(requirement.name) != "prefixrag":
+            expanded.append(dep)
+            continue
+        for extra in sorted(requirement.extras):
+            expanded += expand_extras(extras[extra])
+    return expanded
+
+
 def test_locks_match_pyproject_and_carry_hashes() -> None:
     runtime = PYPROJECT["project"]["dependencies"]
-    dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
+    dev = expand_extras(PYPROJECT["project"]["optional-dependencies"]["dev"])
     dev_lock = read_lock(REPO / "requirements-dev.lock")
     lock = read_lock(REPO / "requirements.lock")
     assert_lock_satisfies(dev_lock, runtime + dev)
     assert_lock_satisfies(lock, runtime)
+    # Ray is an optional extra the tests use; the service's own lock (the image) goes without it
+    assert "ray" in dev_lock and "ray" not in lock
     for name, (version, hashes) in (dev_lock | lock).items():
         assert hashes, f"{name}=={version} has no hash"
     # The image runs what the tests ran: the service's lock is cut from the dev lock.
     for name, (version, _) in lock.items():
+        assert dev_lock[name][0] == version, f"{name}: {version} vs dev {dev_lock[name][0]}"
+
+
+def test_the_ray_lock_is_the_service_plus_ray_at_the_dev_locks_versions() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    dev_lock = read_lock(REPO / "requirements-dev.lock")
+    ray_lock = read_lock(REPO / "requirements-ray.lock")
+    assert_lock_satisfies(ray_lock, PYPROJECT["project"]["dependencies"] + extras["ray"])
+    for name, (version, hashes) in ray_lock.items():
+        assert hashes, f"{name}=={version} has no hash"
         assert dev_lock[name][0] == version, f"{name}: {version} vs dev {dev_lock[name][0]}"
 
 
@@ -143,7 +169,13 @@ def test_the_images_install_works_alone_outside_the_repo(tmp_path: Path) -> None
     steps = [f"pip install torch=={torch_pin()}", *steps[1:]]
     workdir = tmp_path / "srv"
     workdir.mkdir()
-    for name in ("requirements.lock", "models.lock", "pyproject.toml", "README.md"):
+    for name in (
+        "requirements.lock",
+        "requirements-ray.lock",
+        "models.lock",
+        "pyproject.toml",
+        "README.md",
+    ):
         (workdir / name).write_bytes((REPO / name).read_bytes())
     for root in ROOT_PACKAGES:
         subprocess.run(["cp", "-r", str(REPO / root), str(workdir / root)], check=True)

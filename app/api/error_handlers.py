@@ -11,6 +11,7 @@ from prefixrag.app.core.errors import (
     DuplicateDocumentError,
     OpenAIError,
     QueueFullError,
+    ReplicaUnavailableError,
     ServiceError,
 )
 from prefixrag.app.schemas.openai import OPENAI_PATHS, error_body
@@ -62,7 +63,7 @@ async def service_error(request: Request, exc: Exception) -> JSONResponse:
     headers: dict[str, str] = {}
     if isinstance(exc, AuthenticationError):
         headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError | ReplicaUnavailableError):
         headers["Retry-After"] = str(exc.retry_after)
     if request.url.path in OPENAI_PATHS:
         kind = "authentication_error" if status == 401 else "invalid_request_error"

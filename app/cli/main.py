@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,38 @@ INGESTIBLE_SUFFIXES = frozenset({".txt", ".text", ".md", ".markdown", ".html", "
 
 
 def register_serve(subparsers: Subparsers) -> None:
-    """`serve --host H --port P`: migrate the database, then serve the API with uvicorn."""
+    """`serve --host H --port P [--replicas N]`: migrate the database, then serve the API with
+    uvicorn (N > 1: on N engine replicas on Ray Serve)."""
     parser = subparsers.add_parser("serve", help="migrate the database and serve the API")
     parser.add_argument("--host", default=None, help="default: PREFIXRAG_HOST or 127.0.0.1")
     parser.add_argument("--port", type=int, default=None, help="default: PREFIXRAG_PORT or 8000")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="engine replicas; more than 1 runs them on Ray Serve (pip install prefixrag[ray]); "
+        "default: PREFIXRAG_REPLICAS or 1",
+    )
     parser.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    import importlib.util
+    import os
+
     import uvicorn
 
     from prefixrag.app.core.db import upgrade_db
 
+    replicas = settings.replicas if args.replicas is None else args.replicas
+    if replicas < 1:
+        print("--replicas must be at least 1", file=sys.stderr)
+        return 2
+    if replicas > 1 and importlib.util.find_spec("ray") is None:
+        print("--replicas > 1 needs Ray: pip install 'prefixrag[ray]'", file=sys.stderr)
+        return 2
+    # the app factory reads its settings from the environment
+    os.environ["PREFIXRAG_REPLICAS"] = str(replicas)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_db(settings.resolved_database_url)
     uvicorn.run(

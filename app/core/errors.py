@@ -80,6 +80,17 @@ class NotReadyError(ServiceError):
     status_code = 503
 
 
+class ReplicaUnavailableError(ServiceError):
+    """The engine replica serving a request died or cannot be reached; retry after
+    `retry_after` seconds (another replica, or its restart, takes over)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, retry_after: int = 2) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class PromptTooLongError(ServiceError):
     """The prompt (plus the tokens asked for) does not fit the model's context window.
 

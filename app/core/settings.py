@@ -104,6 +104,18 @@ class Settings(BaseSettings):
     # body limit of every route but uploads (those have max_upload_bytes)
     max_request_bytes: int = Field(1024 * 1024, ge=1024)
 
+    # engine replicas: more than 1 runs them on Ray Serve (the `ray` extra), routed by prefix
+    replicas: int = Field(1, ge=1, le=1024)
+    # the Ray cluster to join ("auto", "ray://host:10001", ...); empty starts a local one
+    ray_address: str = ""
+    replica_num_cpus: float = Field(1.0, ge=0.0)
+    replica_num_gpus: float = Field(0.0, ge=0.0)
+    # queued requests a prefix's replica may have beyond the least-loaded one before the
+    # least-loaded one serves the prompt instead
+    replica_imbalance_threshold: int = Field(4, ge=0)
+    # "round_robin" ignores prefixes: only a baseline for bench/replica_bench.py
+    replica_routing: Literal["prefix", "round_robin"] = "prefix"
+
     @field_validator("chunk_overlap")
     @classmethod
     def _overlap_below_size(cls, v: int, info) -> int:  # type: ignore[no-untyped-def]

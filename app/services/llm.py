@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
 from prefixrag.app.core.settings import Settings
@@ -15,6 +15,7 @@ from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from prefixrag.app.services.remote_engine import RemoteEngine
     from prefixrag.engine.async_engine import AsyncEngine
 
 
@@ -53,11 +54,12 @@ def model_id_for(path: str) -> str:
 
 
 class LLMService:
-    """Generation for the HTTP layer: fits prompts into the context window and streams results."""
+    """Generation for the HTTP layer: fits prompts into the context window and streams results,
+    from the embedded engine or from engine replicas (the same calls either way)."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | RemoteEngine,
         model_id: str,
         settings: Settings,
         on_result: Callable[[GenerationResult], None] | None = None,
@@ -150,6 +152,17 @@ class LLMService:
     def cached_prefix_len(self, prompt_ids: list[int], cache_scope: CacheScope) -> int:
         """Leading tokens of `prompt_ids` the engine's prefix cache holds for `cache_scope`."""
         return self.engine.cached_prefix_len(prompt_ids, cache_scope)
+
+    def engine_stats(self) -> dict[str, dict[str, int]]:
+        """The engine's cache counters and gauges by replica name; the embedded engine's name
+        is "" (blocking with replicas: call it off the event loop)."""
+        by_replica = getattr(self.engine, "stats_by_replica", None)
+        return by_replica() if by_replica is not None else {"": self.engine.stats()}
+
+    def replicas(self) -> list[dict[str, Any]] | None:
+        """Each engine replica and its state, or None for the embedded engine (blocking)."""
+        replicas = getattr(self.engine, "replicas", None)
+        return replicas() if replicas is not None else None
 
     async def forget_document(self, tenant: str, document_id: int) -> int:
         """Drop a deleted document's chunk bodies from the engine's chunk KV store."""

@@ -92,7 +92,8 @@ class Metrics:
 
 
 class EngineCollector(Collector):
-    """Prefix-cache token counters and KV block gauges, read from the engine at scrape time."""
+    """Prefix-cache token counters, KV block gauges and the chunk store's series, read from the
+    engine at scrape time; with engine replicas, one series per replica (label ``replica``)."""
 
     def __init__(self, llm: LLMSource) -> None:
         self.llm = llm
@@ -101,62 +102,80 @@ class EngineCollector(Collector):
         llm = self.llm()
         if llm is None:
             return
-        stats = llm.engine.stats()
+        try:
+            by_replica = llm.engine_stats()
+        except Exception:  # a scrape must not fail because a replica is restarting
+            logger.exception("cannot read engine stats for /metrics")
+            return
+        # the embedded engine is "" and keeps today's unlabelled series
+        names = ["replica"] if any(by_replica) else []
         queried = CounterMetricFamily(
-            "prefixrag_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache"
+            "prefixrag_prefix_cache_queried_tokens",
+            "prompt tokens looked up in the prefix cache",
+            labels=names,
         )
-        queried.add_metric([], stats["queried_tokens"])
         hit = CounterMetricFamily(
-            "prefixrag_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"
+            "prefixrag_prefix_cache_hit_tokens",
+            "prompt tokens served from the prefix cache",
+            labels=names,
         )
-        hit.add_metric([], stats["hit_tokens"])
         blocks = GaugeMetricFamily(
-            "prefixrag_kv_blocks", "KV cache blocks by state", labels=["state"]
+            "prefixrag_kv_blocks", "KV cache blocks by state", labels=["state", *names]
         )
-        for name in KV_BLOCK_STATES:
-            blocks.add_metric([name], stats[f"blocks_{name}"])
+        for replica, stats in by_replica.items():
+            values = [replica] if names else []
+            queried.add_metric(values, stats["queried_tokens"])
+            hit.add_metric(values, stats["hit_tokens"])
+            for name in KV_BLOCK_STATES:
+                blocks.add_metric([name, *values], stats[f"blocks_{name}"])
         yield from (queried, hit, blocks)
-        yield from _chunk_store_metrics(stats)
+        yield from _chunk_store_metrics(by_replica, names)
 
 
-def _chunk_store_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+def _chunk_store_metrics(
+    by_replica: dict[str, dict[str, int]], names: list[str]
+) -> Iterator[Metric]:
     """The chunk KV store: lookups by outcome, evictions, and bytes held in each tier."""
     lookups = CounterMetricFamily(
         "prefixrag_chunk_store_lookups",
         "source bodies looked up in the chunk KV store, by outcome and the tier that served them",
-        labels=["result"],
+        labels=["result", *names],
     )
-    lookups.add_metric(["hit_pool"], stats["chunk_hits"])
-    lookups.add_metric(["hit_host"], stats["chunk_host_hits"])
-    lookups.add_metric(["hit_disk"], stats["chunk_disk_hits"])
-    # a pool miss served by a slower tier is not a miss of the store
-    misses = stats["chunk_misses"] - stats["chunk_host_hits"] - stats["chunk_disk_hits"]
-    lookups.add_metric(["miss"], max(0, misses))
     evictions = CounterMetricFamily(
-        "prefixrag_chunk_store_evictions", "chunk entries evicted from a tier", labels=["tier"]
+        "prefixrag_chunk_store_evictions",
+        "chunk entries evicted from a tier",
+        labels=["tier", *names],
     )
-    evictions.add_metric(["pool"], stats["chunk_evictions"])
-    evictions.add_metric(["host"], stats["chunk_host_evictions"])
     held = GaugeMetricFamily(
-        "prefixrag_chunk_store_bytes", "bytes of chunk KV held, by tier", labels=["tier"]
+        "prefixrag_chunk_store_bytes", "bytes of chunk KV held, by tier", labels=["tier", *names]
     )
-    held.add_metric(["pool"], stats["chunk_pool_bytes"])
-    held.add_metric(["host"], stats["chunk_host_bytes"])
-    held.add_metric(["disk"], stats["chunk_disk_bytes"])
     entries = GaugeMetricFamily(
-        "prefixrag_chunk_store_entries", "chunk entries held, by tier", labels=["tier"]
+        "prefixrag_chunk_store_entries", "chunk entries held, by tier", labels=["tier", *names]
     )
-    entries.add_metric(["pool"], stats["chunk_entries"])
-    entries.add_metric(["host"], stats["chunk_host_entries"])
-    entries.add_metric(["disk"], stats["chunk_disk_files"])
     reused = CounterMetricFamily(
         "prefixrag_chunk_reuse_tokens",
         "prompt tokens of cached source bodies placed at new positions, by whether blending "
         "computed them again",
-        labels=["kind"],
+        labels=["kind", *names],
     )
-    reused.add_metric(["blended"], stats["blended_tokens"])
-    reused.add_metric(["recomputed"], stats["recomputed_tokens"])
+    for replica, stats in by_replica.items():
+        r = [replica] if names else []
+        lookups.add_metric(["hit_pool", *r], stats["chunk_hits"])
+        lookups.add_metric(["hit_host", *r], stats["chunk_host_hits"])
+        lookups.add_metric(["hit_disk", *r], stats["chunk_disk_hits"])
+        # a pool miss served by a slower tier is not a miss of the store
+        misses = stats["chunk_misses"] - stats["chunk_host_hits"] - stats["chunk_disk_hits"]
+        lookups.add_metric(["miss", *r], max(0, misses))
+        evictions.add_metric(["pool", *r], stats["chunk_evictions"])
+        evictions.add_metric(["host", *r], stats["chunk_host_evictions"])
+        held.add_metric(["pool", *r], stats["chunk_pool_bytes"])
+        held.add_metric(["host", *r], stats["chunk_host_bytes"])
+        held.add_metric(["disk", *r], stats["chunk_disk_bytes"])
+        entries.add_metric(["pool", *r], stats["chunk_entries"])
+        entries.add_metric(["host", *r], stats["chunk_host_entries"])
+        entries.add_metric(["disk", *r], stats["chunk_disk_files"])
+        reused.add_metric(["blended", *r], stats["blended_tokens"])
+        reused.add_metric(["recomputed", *r], stats["recomputed_tokens"])
     yield from (lookups, evictions, held, entries, reused)
 
 

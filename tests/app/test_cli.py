@@ -81,3 +81,9 @@ def test_index_rebuild_recreates_a_lost_index(
     after_scores, after_ids = rebuilt.search(query, 3)
     np.testing.assert_array_equal(after_ids, before_ids)
     np.testing.assert_allclose(after_scores, before_scores, atol=1e-5)
+
+
+def test_serve_refuses_fewer_than_one_replica(tmp_path: Path, capsys) -> None:
+    settings = Settings(data_dir=tmp_path / "data")
+    assert main(["serve", "--replicas", "0"], settings=settings) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err

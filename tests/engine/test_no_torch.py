@@ -14,6 +14,7 @@ PURE_MODULES = [
     "prefixrag.engine.scheduler",
     "prefixrag.engine.chunk_store",
     "prefixrag.engine.reuse_plan",
+    "prefixrag.engine.prefix_affinity",
 ]
 
 

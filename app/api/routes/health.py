@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -18,8 +20,13 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 def readyz(state: StateDep) -> JSONResponse:
-    """200 with each component's status once ready, else 503 with the same map."""
+    """200 with each component's status once ready, else 503 with the same map; with engine
+    replicas, each replica and its state too."""
     components = state.snapshot()
+    body: dict[str, Any] = {"components": components}
+    replicas = state.llm.replicas() if state.llm is not None else None
+    if replicas is not None:
+        body["replicas"] = replicas
     if state.is_ready:
-        return JSONResponse({"status": "ok", "components": components})
-    return JSONResponse({"status": "not ready", "components": components}, status_code=503)
+        return JSONResponse({"status": "ok", **body})
+    return JSONResponse({"status": "not ready", **body}, status_code=503)
