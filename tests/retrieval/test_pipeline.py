@@ -80,11 +80,16 @@ def test_reranked_order_follows_rerank_scores(
     )
     assert len(result.hits) == 5
     assert set(result.timings) == {"embed_ms", "search_ms", "rerank_ms"}
-    # reference: score every candidate with the cross-encoder directly and take the best five
+    # reference: score every candidate with the cross-encoder directly. Batches pad differently,
+    # so scores agree to float32 noise, not bit for bit: near-ties may swap, nothing more.
     all_ids = list(corpus)
-    direct = reranker.score(query, [corpus[i] for i in all_ids])
-    best = [all_ids[i] for i in np.argsort(-direct, kind="stable")[:5]]
-    assert [h.chunk_id for h in result.hits] == best
+    direct = dict(zip(all_ids, reranker.score(query, [corpus[i] for i in all_ids]), strict=True))
+    noise = 1e-3
+    for hit in result.hits:
+        assert abs(hit.rerank_score - direct[hit.chunk_id]) < noise
+    kept = {h.chunk_id for h in result.hits}
+    weakest_kept = min(direct[i] for i in kept)
+    assert all(direct[i] < weakest_kept + noise for i in all_ids if i not in kept)
     assert all("lemon" in corpus[h.chunk_id] for h in result.hits)
     assert [h.rerank_score for h in result.hits] == sorted(
         (h.rerank_score for h in result.hits), reverse=True
