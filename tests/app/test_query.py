@@ -194,16 +194,13 @@ def test_answers_default_to_the_settings_repeat_ban_and_a_request_overrides_it(q
         )
         return prepared.params
 
-    assert params().no_repeat_ngram_size == default
+    assert default > 0 and params().no_repeat_ngram_size == default
+    settings = state.settings
+    assert params().max_tokens == min(settings.answer_max_tokens, settings.max_tokens_cap)
+    assert params(max_tokens=7).max_tokens == 7
     assert params(no_repeat_ngram_size=0).no_repeat_ngram_size == 0
     assert params(no_repeat_ngram_size=default + 3).no_repeat_ngram_size == default + 3
-    # the ban reaches the engine: banning every generated token changes a greedy answer that
-    # repeats one
-    looped = ask(client, max_tokens=24, no_repeat_ngram_size=0)["answer"]
-    banned = ask(client, max_tokens=24, no_repeat_ngram_size=1)["answer"]
-    tok = state.llm.engine.tokenizer
-    if len(set(tok.encode(looped))) < len(tok.encode(looped)):
-        assert banned != looped
+    # the engine applies what SamplingParams carries: tests/engine/test_penalties.py
 
 
 def test_no_request_is_left_in_the_engine_after_answers(qa):
