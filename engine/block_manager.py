@@ -145,6 +145,9 @@ class BlockManager:
             return
         bs = self.block_size
         parent = hold.last_node
+        if end == start + 1 and parent is not None:
+            self._cache_one_block(seq, hold, parent, start)
+            return
         result = self.cache.insert(
             seq.token_ids[start * bs : end * bs],
             seq.block_ids[start:end],
@@ -161,6 +164,25 @@ class BlockManager:
             self.cache.move_lock(parent, result.last_node)
         hold.last_node = result.last_node
         hold.num_tree_blocks += len(result.block_ids)
+
+    def _cache_one_block(
+        self, seq: Sequence, hold: _TreeHold, parent: RadixNode, index: int
+    ) -> None:
+        # a decode step filled block ``index`` right after the sequence's tree blocks
+        bs = self.block_size
+        scope = seq.cache_scope
+        public = (index + 1) * bs <= scope.num_public_tokens
+        namespace = b"" if public else scope.namespace.encode()
+        block_id = seq.block_ids[index]
+        tokens = seq.token_ids[index * bs : (index + 1) * bs]
+        node = self.cache.extend_locked(parent, namespace, tokens, block_id)
+        if node is None:
+            return
+        if node.block_id != block_id:  # the tree had these tokens: use its block, free ours
+            seq.block_ids[index] = node.block_id
+            self.block_pool.free([block_id])
+        hold.last_node = node
+        hold.num_tree_blocks += 1
 
     def release(self, seq: Sequence) -> None:
         """Drop every block of ``seq``: unlock its tree blocks (they stay cached, evictable) and

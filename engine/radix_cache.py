@@ -283,6 +283,33 @@ class RadixCache:
         self._push_if_evictable(node)
         return InsertResult(held, duplicates, node)
 
+    def extend_locked(
+        self, parent: RadixNode, namespace: bytes, token_ids: Sequence[int], block_id: int
+    ) -> RadixNode | None:
+        """Cache one full block (``token_ids``, held in ``block_id``) below ``parent``, a node
+        its sequence holds locked, and move that lock onto the new child: ``insert`` of one
+        block then ``move_lock``, without their general checks. This is every decode step that
+        fills a block, so it is kept short. Returns the child (its ``block_id`` differs when the
+        tree already held these tokens), or None on a hash collision (nothing cached)."""
+        if parent.parent is None and parent is not self.root:
+            raise ValueError("this node was evicted from the cache")
+        if not self.block_pool.is_allocated(block_id):
+            raise ValueError(f"block {block_id!r} is not an allocated block of the pool")
+        block_tokens = tuple(token_ids)
+        key = self._hash_fn(parent.key, namespace, block_tokens)
+        child = parent.children.get(key)
+        if child is None:
+            child = RadixNode(key, namespace, block_tokens, block_id, parent)
+            parent.children[key] = child
+            self._num_nodes += 1
+        elif child.token_ids != block_tokens or child.namespace != namespace:
+            return None  # a hash collision: refuse rather than alias (as _child_for)
+        child.last_access_time = self._tick()
+        # NOTE: no heap push: the child is locked from now on, and dec_lock_ref pushes it
+        self._protect(child)
+        child.lock_ref += 1
+        return child
+
     def _child_for(
         self, node: RadixNode, ns: bytes, token_ids: Sequence[int], i: int, block_id: int
     ) -> RadixNode | None:

@@ -407,10 +407,15 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         block_size = self.config.block_size
         running = SequenceStatus.RUNNING
+        has_plans = bool(self._plans)
+        eos_ids, max_seq_len = self.eos_token_ids, self.max_seq_len
+        # NOTE: this loop runs for every sequence on every step: the stop test is inlined (a
+        # call per sequence is a measurable share of a decode step) and only names the reason
+        # through _stop_reason when some condition holds.
         for item in out.seqs:
             token_id = next(sampled) if item.do_sample else None
             seq = item.seq
-            if self._plans:
+            if has_plans:
                 self._drop_plan(seq)
             if seq.status is not running:
                 continue  # finished or aborted while the step ran
@@ -421,11 +426,20 @@ class Scheduler:
                 self.blocks.cache_full_blocks(seq)
             if token_id is None:
                 continue
-            seq.token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
+            token_ids = seq.token_ids
+            token_ids.append(token_id)
+            params = seq.sampling_params
+            num_tokens = len(token_ids)
+            if (
+                num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                or num_tokens >= max_seq_len
+                or token_id in eos_ids
+                or token_id in params.stop_token_ids
+            ):
+                reason = self._stop_reason(seq, token_id)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
         return finished
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:

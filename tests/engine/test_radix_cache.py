@@ -191,6 +191,50 @@ def test_move_lock_equals_lock_then_unlock() -> None:
     assert [n.lock_ref for n in nodes] == [0, 0, 0] and cache.num_evictable_blocks == 3
 
 
+def tree_state(cache: RadixCache) -> list[tuple]:
+    return sorted(
+        (n.key, n.namespace, n.token_ids, n.lock_ref, n.pin_ref) for n in cache.iter_nodes()
+    )
+
+
+@pytest.mark.parametrize("cached_before", [False, True])
+def test_extend_locked_equals_insert_then_move_lock(cached_before: bool) -> None:
+    # the decode fast path (one block below a locked node) against the general path
+    states, returned = [], []
+    for fast in (False, True):
+        cache, pool = make_cache()
+        if cached_before:  # another sequence already holds these tokens: ours is a duplicate
+            cache_tokens(cache, pool, [1, 1, 2, 2], ns="t")
+        scope = CacheScope("t")
+        head = cache.insert([1, 1], pool.allocate(1), scope)
+        pool.free(head.duplicate_block_ids)
+        cache.inc_lock_ref(head.last_node)
+        mine = pool.allocate(1)
+        if fast:
+            node = cache.extend_locked(head.last_node, b"t", [2, 2], mine[0])
+        else:
+            result = cache.insert([2, 2], mine, scope, parent=head.last_node)
+            cache.move_lock(head.last_node, result.last_node)
+            node = result.last_node
+        states.append(tree_state(cache))
+        returned.append((node.token_ids, node.block_id == mine[0], node.lock_ref))
+        cache.dec_lock_ref(node)
+        assert cache.num_evictable_blocks == 2
+    assert states[0] == states[1]
+    assert returned[0] == returned[1] == ((2, 2), not cached_before, 1)
+
+
+def test_extend_locked_refuses_a_hash_collision() -> None:
+    cache, pool = make_cache(hash_fn=colliding_hash)
+    head = cache.insert([1, 1], pool.allocate(1))
+    cache.inc_lock_ref(head.last_node)
+    first = cache.extend_locked(head.last_node, b"", [2, 2], pool.allocate(1)[0])
+    assert first is not None
+    # [4, 0] hashes like [2, 2] below the same parent but holds other tokens
+    assert cache.extend_locked(head.last_node, b"", [4, 0], pool.allocate(1)[0]) is None
+    assert cache.match_prefix([1, 1, 4, 0]).num_tokens == 2
+
+
 def test_lookup_refreshes_whole_path() -> None:
     cache, pool = make_cache()
     cache_tokens(cache, pool, [1, 1, 2, 2, 3, 3])
