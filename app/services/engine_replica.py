@@ -86,6 +86,12 @@ class EngineReplica:
         self._check_target(target)
         return await self.engine.drop_chunks(namespace, tag)
 
+    async def drop_chunk_tags(self, pairs: list[tuple[str, str]], *, target: str) -> int:
+        """Forget the bodies of every (namespace, tag) in ``pairs``: deletes this replica missed
+        while it was down (its disk tier outlives it)."""
+        self._check_target(target)
+        return sum([await self.engine.drop_chunks(namespace, tag) for namespace, tag in pairs])
+
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router weighs: requests here, and the share of KV blocks not free."""
         stats = self.engine.stats()

@@ -9,15 +9,17 @@ deleted document's chunks) go to each live replica by id.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 from prefixrag.app.core.errors import ReplicaUnavailableError
 from prefixrag.app.core.settings import Settings
@@ -38,6 +40,13 @@ DEPLOYMENT_NAME = "engine"
 # the seconds a client should wait before retrying a request whose replica died: Serve notices
 # a dead replica within a health-check period and stops routing to it
 REPLICA_RETRY_AFTER_S = 2
+# deleted documents' chunk tags kept to replay to a replica that missed them (it was down, or
+# restarted and reloaded its disk tier): a bound on the ingress's memory, not on correctness
+# for any realistic delete rate between two restarts
+DROP_LOG_LEN = 100_000
+# a call sent to one replica by id waits while Serve has no such replica (it died): how long a
+# delete waits on each replica's chunk drop before leaving it to the replay
+DROP_TIMEOUT_S = 10.0
 # Ray's errors when the replica serving a call dies or cannot be reached
 REPLICA_ERRORS = (
     ray.exceptions.RayActorError,
@@ -167,6 +176,12 @@ class RemoteEngine:
         self.handle = handle
         self.tokenizer = tokenizer
         self.pinned_ids = list(pinned_ids)
+        # every drop sent, and the replicas known to have seen all of them: a replica that
+        # Ray starts again (a new id) gets the log replayed before it is counted as synced
+        self._drop_log: deque[tuple[str, str]] = deque(maxlen=DROP_LOG_LEN)
+        self._synced: set[str] = set()
+        self._missed: set[str] = set()  # replicas a drop failed on since their last replay
+        self._drop_lock = threading.Lock()
         first = self._describe_all()
         if not first:
             raise ReplicaUnavailableError("no engine replica is running", REPLICA_RETRY_AFTER_S)
@@ -233,12 +248,25 @@ class RemoteEngine:
         return num_public + self._sent.num_matched_blocks("sent", keys) * block_size
 
     async def drop_chunks(self, namespace: str, tag: str) -> int:
-        """Drop a deleted document's chunk bodies on every live replica."""
+        """Drop a deleted document's chunk bodies on every live replica. A replica that dies
+        meanwhile is skipped, never failing the delete (the document is already gone from the
+        database): it gets the drop replayed when it runs again (see ``_replay_drops``)."""
+        with self._drop_lock:
+            self._drop_log.append((namespace, tag))
         total = 0
         for replica in list_replicas():
-            if replica["state"].endswith("RUNNING"):
-                target = replica["replica_id"]
-                total += await self.handle.drop_chunks.remote(namespace, tag, target=target)
+            if not replica["state"].endswith("RUNNING"):
+                continue
+            target = replica["replica_id"]
+            response = self.handle.drop_chunks.remote(namespace, tag, target=target)
+            try:
+                total += await asyncio.wait_for(_awaited(response), DROP_TIMEOUT_S)
+            except (*REPLICA_ERRORS, ray.exceptions.RayTaskError, TimeoutError) as exc:
+                response.cancel()
+                logger.warning("replica %s missed a chunk drop (%s); replayed later", target, exc)
+                with self._drop_lock:
+                    self._synced.discard(target)
+                    self._missed.add(target)
         return total
 
     def stats(self) -> dict[str, int]:
@@ -278,6 +306,30 @@ class RemoteEngine:
             target = replica["replica_id"]
             try:
                 described[target] = self.handle.describe.remote(target=target).result(timeout_s=10)
+                self._replay_drops(target)
             except Exception as exc:  # a replica dying now is reported, not fatal
                 logger.warning("replica %s did not answer: %s", target, exc)
         return described
+
+    def _replay_drops(self, target: str) -> None:
+        """Send every logged drop to a replica not yet known to have seen them all (one Ray
+        restarted, whose disk tier may still hold a deleted document's bodies)."""
+        with self._drop_lock:
+            if target in self._synced:
+                return
+            self._missed.discard(target)
+            pending = list(self._drop_log)
+        if pending:
+            dropped = self.handle.drop_chunk_tags.remote(pending, target=target).result(
+                timeout_s=60
+            )
+            logger.info("replayed %d chunk drops to %s: %d bodies", len(pending), target, dropped)
+        with self._drop_lock:
+            # a drop logged since the snapshot went to this replica through drop_chunks; if
+            # that failed, the replica stays unsynced and the next look replays again
+            if target not in self._missed:
+                self._synced.add(target)
+
+
+async def _awaited(response: DeploymentResponse) -> Any:
+    return await response

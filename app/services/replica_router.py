@@ -47,7 +47,12 @@ class PrefixAffinityRouter(RequestRouter):
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get("target")
         if target is not None:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            # NOTE: a target Serve no longer lists (it died) is never coming back, and Serve
+            # would hold the request, and every request queued behind it, until it did. Any
+            # replica refuses a call meant for another at once (EngineReplica._check_target),
+            # so the caller gets its error now.
+            return [chosen or candidate_replicas]
         if not candidate_replicas:
             return []
         if self.routing == "round_robin":

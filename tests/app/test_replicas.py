@@ -205,6 +205,34 @@ def test_a_replica_killed_mid_request_fails_only_its_requests(cluster):
         assert response.status_code == 200, response.text
 
 
+def test_a_delete_while_a_replica_restarts_succeeds_and_is_replayed_to_it(cluster):
+    client, _ = cluster
+    note = b"# Lighthouse log\n\nThe keeper of the north light wound the clock at dusk.\n"
+    response = client.post("/v1/documents?wait=true", files={"file": ("log.md", note, "text/md")})
+    assert response.status_code == 201, response.text
+    document_id = response.json()["id"]
+    victim = replicas_of(client)[0]
+    ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=False)
+    # the delete reaches the rows at once; the dead replica cannot drop its chunk KV now, which
+    # must not fail the delete (the document is gone from the database either way)
+    response = client.delete(f"/v1/documents/{document_id}")
+    assert response.status_code == 204, response.text
+    assert client.get(f"/v1/documents/{document_id}").status_code == 404
+    wait_for(
+        lambda: (
+            sum(r["state"].endswith("RUNNING") for r in replicas_of(client)) == 2
+            and victim["replica_id"] not in {r["replica_id"] for r in replicas_of(client)}
+        ),
+        90,
+        "the dead replica was not replaced",
+    )
+    # describing the new replica (/readyz did) replayed the drops it missed
+    engine = app_state(client).llm.engine
+    running = {r["replica_id"] for r in replicas_of(client)}
+    assert running <= engine._synced, (running, engine._synced)
+    assert engine._drop_log[-1][1].endswith(str(document_id))
+
+
 def test_deleting_every_document_drops_its_chunk_kv_on_every_replica(cluster):
     client, ids = cluster
     # new conversations spread over the replicas until both hold source KV
