@@ -14,8 +14,13 @@ the real HTTP route (/v1/query, in-process client). Greedy answers.
 Measures: cached share of prompt tokens (cached / prompt, over all turns after the first of each
 conversation, and over all turns), wall time and requests/s, and how each replica's prompt
 tokens split (from /metrics). Goal (issue 18): prefix2's follow-up cached share >= 0.9x one's.
-Throughput here is what 2 shared cores give: both replicas share them with the ingress, so
-2 replicas cannot beat 1 on this machine; the run reports it without projecting.
+Throughput: every engine runs `--threads` threads (1 by default: Ray starts replicas with
+OMP_NUM_THREADS=1, and this process sets torch's threads for the embedded engine), so on 2
+cores one engine leaves a core to the rest while 2 replicas use both; the ingress (retrieval,
+the embedder) shares them. Measured: requests/s, 2 replicas / 1 engine. Projected for a machine
+with a core per replica and one for the ingress: from the CPU seconds each process spent per
+request (this process for the ingress; each replica's process, by its pid on /readyz), the
+busiest replica and the ingress bound the rate (see `projection`).
 
 Writes bench/results/replica_bench.json and prints a summary.
 """
@@ -76,6 +81,9 @@ def run_config(
     )
     client = started_client(settings, embedder)
     try:
+        pids = replica_pids(client)
+        cpu_before = process_cpu(pids)
+        ingress_before = time.process_time()
         started = time.perf_counter()
         with ThreadPoolExecutor(len(page_ids)) as pool:
             futures = [
@@ -84,6 +92,10 @@ def run_config(
             ]
             rows = [row for future in futures for row in future.result()]
         wall_s = time.perf_counter() - started
+        ingress_cpu_s = time.process_time() - ingress_before
+        replica_cpu_s = {
+            pid: after - cpu_before.get(pid, 0.0) for pid, after in process_cpu(pids).items()
+        }
         split = queried_by_replica(client)
     finally:
         client.__exit__(None, None, None)
@@ -95,7 +107,47 @@ def run_config(
         "cached_share_all": share(rows),
         "cached_share_follow_ups": share([r for r in rows if r["turn"] > 1]),
         "queried_tokens_by_replica": split,
+        "ingress_cpu_s": ingress_cpu_s,
+        "replica_cpu_s": list(replica_cpu_s.values()),
         "rows": rows,
+    }
+
+
+def replica_pids(client: TestClient) -> list[int]:
+    """The engine replicas' processes (none for the embedded engine)."""
+    return [r["pid"] for r in client.get("/readyz").json().get("replicas", []) if "pid" in r]
+
+
+def process_cpu(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process so far (its threads included)."""
+    import psutil
+
+    found = {}
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        found[pid] = times.user + times.system
+    return found
+
+
+def projection(replicated: dict[str, Any]) -> dict[str, Any]:
+    """Throughput of N replicas on a machine with a core per replica and one for the ingress,
+    against one replica there, from CPU seconds per request: the busiest replica serves its
+    share of the requests at its cost, and the ingress serves all of them at its own."""
+    n = len(replicated["replica_cpu_s"])
+    requests = len(replicated["rows"])
+    replica_total = sum(replicated["replica_cpu_s"])
+    if not n or not requests or not replica_total:
+        return {}
+    per_request = replica_total / requests
+    busiest_share = max(replicated["replica_cpu_s"]) / replica_total
+    ingress = replicated["ingress_cpu_s"] / requests
+    one = min(1 / per_request, 1 / ingress)
+    many = min(1 / (busiest_share * per_request), 1 / ingress)
+    return {
+        "replica_cpu_s_per_request": per_request,
+        "ingress_cpu_s_per_request": ingress,
+        "busiest_replica_share": busiest_share,
+        "projected_ratio": many / one,
     }
 
 
@@ -146,11 +198,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--kv-gb", type=float, default=1.5, help="KV pool of each engine")
     parser.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    import torch
+
+    # the embedded engine's threads (and this process's); replicas get Ray's OMP_NUM_THREADS
+    torch.set_num_threads(args.threads)
     wanted = set(args.configs.split(","))
     code = code_state()
     embedder = Embedder(packaged_embedder_path())
@@ -179,6 +236,12 @@ def main() -> None:
             "target": f">= {GOAL_RATIO}",
             "met": ratio >= GOAL_RATIO,
         }
+        measured = results["prefix2"]["requests_per_s"] / results["one"]["requests_per_s"]
+        payload["throughput"] = {
+            "measured_ratio_2_cores": measured,
+            "projection": projection(results["prefix2"]),
+            "target": ">= 1.8",
+        }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "replica_bench.json").write_text(json.dumps(payload, indent=2))
     print_summary(payload)
@@ -191,6 +254,14 @@ def print_summary(payload: dict[str, Any]) -> None:
         print(
             f"{name:<14}{r['cached_share_follow_ups']:>18.3f}{r['cached_share_all']:>12.3f}"
             f"{r['requests_per_s']:>8.3f}  {split or '(embedded)'}"
+        )
+    throughput = payload.get("throughput")
+    if throughput:
+        projected = throughput["projection"].get("projected_ratio", float("nan"))
+        print(
+            f"throughput 2 replicas / 1 engine: {throughput['measured_ratio_2_cores']:.2f}x "
+            f"measured on this machine's cores, {projected:.2f}x projected with a core each "
+            f"(goal {throughput['target']})"
         )
     goal = payload.get("goal")
     if goal:
