@@ -19,7 +19,8 @@ NO_NEW_SOURCES = "(no new sources; the ones above still apply)\n"
 ANSWER_STOP = ["\nQuestion:"]
 NOT_IN_SOURCES = (
     r"\A\s*(?:The|These|This|Those)?\s*(?:provided\s+|given\s+)?"
-    r"(?:documents?|sources?|context|text)\s+(?:do|does|did)\s*(?:not|n't)\b[^\n]*?[.!](?=\s)"
+    r"(?:documents?|sources?|context|text)\s+(?:do|does|did)\s*(?:not|n't)\b[^\n]*?[.!]"
+    r"[\"'\u201d)\]]*(?=\s)"
 )
 # Private-use characters no template or prompt file contains: they mark where a user message's
 # content and an earlier answer go in the rendered chat template.
