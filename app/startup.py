@@ -218,7 +218,7 @@ def start_remote_engine(settings: Settings, config: EngineConfig) -> RemoteEngin
     tokenizer = Tokenizer.from_model_path(config.model, cache_dir=config.cache_dir)
     pinned: list[int] = []
     if settings.prefix_cache:
-        prompt_config = load_prompt_config(settings.system_prompt_file)
+        prompt_config = load_prompt_config(settings.system_prompt_file, settings.few_shot_file)
         pinned = PromptBuilder(tokenizer, prompt_config).stable_ids
     connection = RayConnection(settings.ray_address)
     try:
@@ -239,7 +239,7 @@ def load_prompt_cache(state: AppState) -> str | None:
     state.require("llm")
     if state.llm is None:
         raise NotReadyError("the LLM must load before the prompt cache")
-    config = load_prompt_config(state.settings.system_prompt_file)
+    config = load_prompt_config(state.settings.system_prompt_file, state.settings.few_shot_file)
     builder = PromptBuilder(state.llm.engine.tokenizer, config)
     state.prompts = builder
     if not state.settings.prefix_cache:

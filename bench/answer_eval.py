@@ -14,6 +14,11 @@ Per configuration:
 - loops: the share of answers that repeat a run of LOOP_WORDS words;
 - evidence_ms p50: what the evidence spans add to a question.
 
+A configuration is request fields (CONFIGS), optionally with a prompt variant after "@"
+(PROMPTS: other system prompt or few-shot files, e.g. `shipped@extractive`). The prompt is fixed
+when an app starts, so each prompt variant gets an app of its own, one after the other, on a
+copy of the same corpus; configurations that share a prompt are interleaved in their app.
+
     python -m bench.answer_eval [--half held_out] [--configs today,shipped] [--limit N]
 """
 
@@ -27,6 +32,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,32 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ngram4+top3": {"no_repeat_ngram_size": 4, "top_k": 3},
     "ngram4+top8": {"no_repeat_ngram_size": 4, "top_k": 8},
 }
+
+
+# Prompt variants: settings for the app (files under bench/prompts/). "" is the packaged prompt.
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+PROMPTS: dict[str, dict[str, Path]] = {
+    "": {},
+    "no_examples": {"few_shot_file": PROMPTS_DIR / "no_examples.json"},
+    "tech_examples": {"few_shot_file": PROMPTS_DIR / "tech_examples.json"},
+    "quote_examples": {"few_shot_file": PROMPTS_DIR / "quote_examples.json"},
+    "quote": {"system_prompt_file": PROMPTS_DIR / "quote_system.txt"},
+    "quote+examples": {
+        "system_prompt_file": PROMPTS_DIR / "quote_system.txt",
+        "few_shot_file": PROMPTS_DIR / "quote_examples.json",
+    },
+}
+
+
+def parse_config(name: str) -> tuple[str, str]:
+    """ "fields@prompt" (or "fields") as (request-fields name, prompt variant name)."""
+    fields, _, prompt = name.partition("@")
+    if fields not in CONFIGS or prompt not in PROMPTS:
+        raise SystemExit(
+            f"unknown config {name!r}; request fields: {', '.join(CONFIGS)}; "
+            f"prompts after @: {', '.join(p for p in PROMPTS if p)}"
+        )
+    return fields, prompt
 
 
 def folded(text: str) -> str:
@@ -141,26 +174,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = json.loads(DATA.read_text())
     questions = split(spec["questions"])[args.half][: args.limit or None]
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    # the ingested corpus is kept between runs (bench/.cache), keyed by its documents
-    corpus = hashlib.sha256("\n".join(spec["documents"]).encode()).hexdigest()[:16]
-    kept = CACHE / f"answer-eval-{corpus}"
+    by_prompt: dict[str, list[str]] = {}
+    for config in configs:
+        by_prompt.setdefault(parse_config(config)[1], []).append(config)
+    kept = kept_corpus(spec)
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    started = time.perf_counter()
+    for prompt, group in by_prompt.items():
+        _run_app(spec, kept, questions, group, PROMPTS[prompt], rows, args.half)
+    return {
+        "half": args.half,
+        "questions": len(questions),
+        "split_sizes": {h: len(v) for h, v in split(spec["questions"]).items()},
+        "torch_threads": _torch_threads(),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "configs": {c: _described(c) for c in configs},
+        "summary": {c: summarize(rows[c]) for c in configs},
+        "answers": rows,
+    }
+
+
+def _described(config: str) -> dict[str, Any]:
+    fields, prompt = parse_config(config)
+    files = {k: str(v.relative_to(PROMPTS_DIR.parent)) for k, v in PROMPTS[prompt].items()}
+    return {**CONFIGS[fields], **files}
+
+
+def _run_app(
+    spec: dict,
+    kept: Path,
+    questions: list[dict],
+    configs: list[str],
+    prompt_settings: dict[str, Path],
+    rows: dict[str, list[dict[str, Any]]],
+    half: str,
+) -> None:
+    """Ask every question under each configuration, interleaved, in one app with these prompt
+    settings."""
+    with eval_client(spec, kept, **prompt_settings) as client:
+        for question in tqdm(questions, desc=f"{half} questions"):
+            for config in configs:  # interleaved: every config meets the same cache state
+                fields = CONFIGS[parse_config(config)[0]]
+                body = {"question": question["q"], "temperature": 0, **fields}
+                response = client.post("/v1/query", json=body)
+                response.raise_for_status()
+                rows[config].append(score(question, response.json()))
+
+
+@contextmanager
+def eval_client(spec: dict, kept: Path, **overrides: Any) -> Iterator[TestClient]:
+    """A client of an app (settings `overrides` on this bench's defaults) serving a copy of the
+    kept corpus, ingested into `kept` the first time; the copy is deleted afterwards."""
     data_dir = Path(tempfile.mkdtemp(prefix="answer-eval-"))
     if kept.is_dir():
         shutil.copytree(kept, data_dir, dirs_exist_ok=True)
     settings = Settings(
-        data_dir=data_dir,
-        embed_model=packaged_embedder_path(),
-        rerank_model="",  # no pretrained cross-encoder on this machine: embedder spans
-        index_use_gpu="no",
-        kv_cache_gb=1.0,
-        max_num_seqs=4,
-        chunk_disk_gb=0.0,  # no chunk KV from an earlier run: every run starts cold
+        **{
+            "data_dir": data_dir,
+            "embed_model": packaged_embedder_path(),
+            "rerank_model": "",  # no pretrained cross-encoder on this machine: embedder spans
+            "index_use_gpu": "no",
+            "kv_cache_gb": 1.0,
+            "max_num_seqs": 4,
+            "chunk_disk_gb": 0.0,  # no chunk KV from an earlier run: every run starts cold
+            **overrides,
+        }
     )
-    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
-    started = time.perf_counter()
     try:
         with TestClient(create_app(settings, embedder=Embedder(settings.embed_model))) as client:
             if not client.app.state.prefixrag.wait_loaded(600):  # type: ignore[attr-defined]
@@ -168,24 +247,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not kept.is_dir():
                 ingest(client, spec["documents"])
                 _keep(client, data_dir, kept)
-            for question in tqdm(questions, desc=f"{args.half} questions"):
-                for config in configs:  # interleaved: every config meets the same cache state
-                    body = {"question": question["q"], "temperature": 0, **CONFIGS[config]}
-                    response = client.post("/v1/query", json=body)
-                    response.raise_for_status()
-                    rows[config].append(score(question, response.json()))
+            yield client
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
-    return {
-        "half": args.half,
-        "questions": len(questions),
-        "split_sizes": {h: len(v) for h, v in split(spec["questions"]).items()},
-        "torch_threads": _torch_threads(),
-        "wall_s": round(time.perf_counter() - started, 1),
-        "configs": {c: CONFIGS[c] for c in configs},
-        "summary": {c: summarize(rows[c]) for c in configs},
-        "answers": rows,
-    }
+
+
+def kept_corpus(spec: dict) -> Path:
+    """Where the ingested corpus of this eval set is kept between runs (bench/.cache), keyed by
+    its documents."""
+    corpus = hashlib.sha256("\n".join(spec["documents"]).encode()).hexdigest()[:16]
+    return CACHE / f"answer-eval-{corpus}"
 
 
 def _torch_threads() -> int:
@@ -196,12 +267,12 @@ def _torch_threads() -> int:
 
 def print_summary(report: dict[str, Any]) -> None:
     print(f"\n{report['half']} half, {report['questions']} questions, {report['wall_s']} s")
-    head = f"{'config':14} {'answer':>7} {'evid.':>7} {'best':>7} {'recall':>7} {'ev/rec':>7}"
+    head = f"{'config':24} {'answer':>7} {'evid.':>7} {'best':>7} {'recall':>7} {'ev/rec':>7}"
     head += f" {'loops':>7}"
     print(head + f" {'ev_ms':>7} {'ttft_ms':>8} {'tokens':>7}")
     for name, s in report["summary"].items():
         print(
-            f"{name:14} {s['answer_accuracy']:7.3f} {s['evidence_accuracy']:7.3f} "
+            f"{name:24} {s['answer_accuracy']:7.3f} {s['evidence_accuracy']:7.3f} "
             f"{s['best_span_accuracy']:7.3f} {s['source_recall']:7.3f} "
             f"{s['evidence_over_recall']:7.3f} {s['loop_share']:7.3f} "
             f"{s['evidence_ms_p50']:7.1f} {s['ttft_ms_p50']:8.0f} "
@@ -235,15 +306,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--half", choices=HALVES, default="held_out")
-    parser.add_argument("--configs", default="today,shipped", help=", ".join(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        default="today,shipped",
+        help=f"request fields ({', '.join(CONFIGS)}), each optionally @prompt "
+        f"({', '.join(p for p in PROMPTS if p)})",
+    )
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
+    parser.add_argument("--suffix", default="", help="appended to the result file names")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not DOC_ROOT.is_dir():
         raise SystemExit(f"{DOC_ROOT} is missing: install Debian's python3.11-doc")
     report = run(args)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"answer_eval_{args.half}.json"
+    out = RESULTS / f"answer_eval_{args.half}{args.suffix}.json"
     out.write_text(json.dumps(report, indent=2))
     plot(report, out.with_suffix(".png"))
     print_summary(report)

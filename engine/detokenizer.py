@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,16 +28,23 @@ class IncrementalDetokenizer:
 
     ``decode`` maps token ids to text. Output is held back while it ends in an incomplete UTF-8
     character, or while its tail could still grow into one of ``stop`` strings. When a stop string
-    appears, the text before it is emitted and the string itself never is.
+    appears, the text before it is emitted and the string itself never is. When one of the
+    ``stop_after`` patterns first matches the text, the text up to the end of the match is
+    emitted and the rest never is.
     """
 
     decode: Callable[[Sequence[int]], str]
     stop: Sequence[str] = ()
+    stop_after: Sequence[str] = ()
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # all decoded text so far (may include a held-back tail)
     emitted: int = 0  # chars of `text` already handed out
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _stop_after: list[re.Pattern[str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop_after = [re.compile(p) for p in self.stop_after]
 
     def add(self, token_id: int) -> DetokenizerStep:
         """Feed one generated token and get the delta that is now safe to show."""
@@ -71,6 +79,14 @@ class IncrementalDetokenizer:
             self.text = self.text[:at]
             self.emitted = len(self.text)
             return DetokenizerStep(delta, stopped_on=s)
+        for pattern in self._stop_after:
+            found = pattern.search(self.text)
+            if found is not None:
+                end = max(found.end(), self.emitted)  # text handed out is never taken back
+                delta = self.text[self.emitted : end]
+                self.text = self.text[:end]
+                self.emitted = end
+                return DetokenizerStep(delta, stopped_on=pattern.pattern)
         safe_end = len(self.text) - _longest_stop_prefix_suffix(self.text, self.stop)
         delta = self.text[self.emitted : max(safe_end, self.emitted)]
         self.emitted = max(safe_end, self.emitted)

@@ -151,7 +151,7 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         self.sampler.start(seq_id, prompt_token_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop, params.stop_after)
         self._requests[seq_id] = _Request(
             request_id or f"req-{seq_id}",
             seq,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 
@@ -13,7 +14,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=-1``, ``top_p=1`` and ``min_p=0`` turn those filters
     off. ``stop`` strings end the output (checked by the detokenizer); ``stop_token_ids`` always
     end it, EOS ends it unless ``ignore_eos``. A single stop string is accepted and wrapped in a
-    list.
+    list. ``stop_after`` holds regular expressions (Python's ``re``) searched in the output as it
+    grows: the first match ends it, and unlike a stop string the matched text stays in it (the
+    Q&A route ends an answer after a sentence saying the sources do not hold the answer).
 
     The logits are adjusted before any of that, greedy rows included: ``logit_bias`` (token id
     -> value added, OpenAI's) first, then vLLM's ``repetition_penalty`` (a token seen in the
@@ -37,6 +40,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_after: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -62,6 +66,7 @@ class SamplingParams:
             raise ValueError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        self.stop_after = _pattern_list(self.stop_after)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -110,6 +115,19 @@ def _string_list(stop: object) -> list[str]:
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
     return list(stop)
+
+
+def _pattern_list(patterns: object) -> list[str]:
+    if not isinstance(patterns, list | tuple) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"stop_after must be a list of regular expressions, got {patterns!r}")
+    for pattern in patterns:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"stop_after: {pattern!r} is not a regular expression: {exc}") from exc
+        if compiled.search("") is not None:
+            raise ValueError(f"stop_after: {pattern!r} matches the empty output")
+    return list(patterns)
 
 
 def _token_id_list(token_ids: object) -> list[int]:

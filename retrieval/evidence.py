@@ -3,12 +3,15 @@
 A citation says which chunk an answer rests on; a span says which lines. Sentences are scored in
 two stages, as retrieval itself is:
 1. every sentence by the embedder's cosine to the question, plus a small bonus for the share of
-   the question's terms it holds (the embedder alone favours sentences that restate the topic
-   over the one that answers). Sentence vectors depend only on the chunk, so they are cached per
-   chunk text (in float16: half the memory, and rounding far below the gaps that rank
-   sentences), and a chunk seen before costs one matrix product. Embedding a new chunk's
-   sentences is the expensive part (about 0.1 s per chunk on two CPU cores), so ingest warms the
-   cache with each new document's chunks (`warm`);
+   the question's terms it holds, plus another when it names code the question does not (a
+   call, a snake_case or CamelCase name). The embedder alone favours the sentence that restates
+   the question ("There are cases where it is useful to add information after the exception
+   was caught.") over the one that answers it, which in technical text usually names the thing
+   to use ("exceptions have a method add_note(note) ..."). Sentence vectors depend only on the
+   chunk, so they are cached per chunk text (in float16: half the memory, and rounding far
+   below the gaps that rank sentences), and a chunk seen before costs one matrix product.
+   Embedding a new chunk's sentences is the expensive part (about 0.1 s per chunk on two CPU
+   cores), so ingest warms the cache with each new document's chunks (`warm`);
 2. when a cross-encoder is loaded, the `shortlist` best sentences of each chunk by stage 1 are
    scored again by it, in one batch, and its order wins.
 """
@@ -16,6 +19,7 @@ two stages, as retrieval itself is:
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,10 +32,21 @@ from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.sentences import sentence_spans
 
-# Weight of the question-term share next to the cosine, chosen on the tuning half of
-# bench/data/python_docs_qa.json (bench/answer_eval.py --evidence-only reports the sweep).
+# Weights next to the cosine, chosen on the tuning half of bench/data/python_docs_qa.json
+# (bench/evidence_eval.py reports the sweep): the question-term share, and naming new code.
 TERM_WEIGHT = 0.3
+CODE_WEIGHT = 0.3
 EXTEND_MARGIN = 0.1
+
+# A name a reader types: a call ("add_note(", "str.join("), a snake_case, camelCase or CamelCase
+# name. Dotted names without a call are left out: section numbers ("8.10") look the same.
+_CODE_NAME = re.compile(r"\w+\(|\b\w+_\w+\b|\b[a-z]+[A-Z]\w*|\b[A-Z][a-z]+[A-Z]\w*")
+# A sentence opening with one of these points back at the one before it, and reads as half a
+# thought when highlighted alone ("It can be used when a statement is required ...").
+_POINTS_BACK = re.compile(
+    r"(?:It|Its|This|That|These|Those|They|Their|Such|Here|So|Thus|Hence|Therefore|Otherwise|"
+    r"Also|For this|For that|In this|In that|To do this|Instead)\b"
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,6 +64,8 @@ class _ChunkSentences:
     spans: list[tuple[int, int]]
     vectors: np.ndarray  # float16 [len(spans), dim], unit rows
     terms: list[frozenset[str]]
+    code_names: list[frozenset[str]]
+    points_back: list[bool]
 
 
 class EvidenceFinder:
@@ -56,7 +73,9 @@ class EvidenceFinder:
 
     `max_spans` spans are kept per chunk, best first; the cross-encoder, when there is one, reads
     the `shortlist` best sentences of each chunk (default: max(4, max_spans)). `cache_chunks`
-    bounds the per-chunk sentence cache (about 8 KB per chunk with a 384-wide embedder).
+    bounds the per-chunk sentence cache (about 8 KB per chunk with a 384-wide embedder). With
+    `widen_back`, a chosen sentence that opens by pointing back ("It", "This", ...) takes the
+    sentence before it along, so a span is still at most two sentences.
     """
 
     def __init__(
@@ -66,19 +85,23 @@ class EvidenceFinder:
         shortlist: int | None = None,
         cache_chunks: int = 8192,
         term_weight: float = TERM_WEIGHT,
+        code_weight: float = CODE_WEIGHT,
         extend_margin: float = EXTEND_MARGIN,
+        widen_back: bool = True,
         analyzer: Analyzer | None = None,
     ) -> None:
         shortlist = max(4, max_spans) if shortlist is None else shortlist
         if max_spans < 1 or shortlist < max_spans:
             raise ValueError(f"need 1 <= max_spans <= shortlist, got {max_spans}, {shortlist}")
-        if cache_chunks < 0 or term_weight < 0:
-            raise ValueError("cache_chunks and term_weight must be >= 0")
+        if cache_chunks < 0 or term_weight < 0 or code_weight < 0:
+            raise ValueError("cache_chunks, term_weight and code_weight must be >= 0")
         self.max_spans = max_spans
         self.shortlist = shortlist
         self.cache_chunks = cache_chunks
         self.term_weight = term_weight
+        self.code_weight = code_weight
         self.extend_margin = extend_margin
+        self.widen_back = widen_back
         self.analyzer = analyzer if analyzer is not None else Analyzer()
         self._cache: OrderedDict[bytes, _ChunkSentences] = OrderedDict()
         self._lock = threading.Lock()
@@ -101,7 +124,10 @@ class EvidenceFinder:
         if question_vector is None:
             question_vector = embedder.encode_query(question)
         question_terms = frozenset(self.analyzer.terms(question))
-        first = [self._first_stage(s, question_vector, question_terms) for s in sentences]
+        question_code = frozenset(_CODE_NAME.findall(question))
+        first = [
+            self._first_stage(s, question_vector, question_terms, question_code) for s in sentences
+        ]
         ranked = [_best(scores, self.shortlist) for scores in first]
         if reranker is not None and reranker.is_available:
             ranked = self._rerank(question, texts, sentences, ranked, reranker)
@@ -122,12 +148,19 @@ class EvidenceFinder:
         self._sentences(texts[-self.cache_chunks :] if self.cache_chunks else [], embedder)
 
     def _first_stage(
-        self, chunk: _ChunkSentences, question_vector: np.ndarray, question_terms: frozenset[str]
+        self,
+        chunk: _ChunkSentences,
+        question_vector: np.ndarray,
+        question_terms: frozenset[str],
+        question_code: frozenset[str],
     ) -> np.ndarray:
         scores = chunk.vectors.astype(np.float32) @ question_vector.astype(np.float32)
         if question_terms and self.term_weight and chunk.spans:
             share = [len(question_terms & terms) / len(question_terms) for terms in chunk.terms]
             scores = scores + self.term_weight * np.asarray(share, dtype=np.float32)
+        if self.code_weight and chunk.spans:
+            names_new_code = [bool(names - question_code) for names in chunk.code_names]
+            scores = scores + self.code_weight * np.asarray(names_new_code, dtype=np.float32)
         return scores
 
     def _pick(
@@ -135,7 +168,8 @@ class EvidenceFinder:
     ) -> list[EvidenceSpan]:
         """The best sentences as spans, each widened to a neighbour that scores within
         `extend_margin` of it in the first stage (an answer often takes two sentences: "The
-        pass statement does nothing. It can be used when ...")."""
+        pass statement does nothing. It can be used when ..."), or else, with `widen_back`, to
+        the sentence before one that points back at it."""
         spans: list[EvidenceSpan] = []
         used: set[int] = set()
         for i, score in ranked:
@@ -149,6 +183,8 @@ class EvidenceFinder:
                 j = max(neighbours, key=lambda j: float(first[j]))
                 if first[j] >= first[i] - self.extend_margin:
                     lo, hi = min(i, j), max(i, j)
+            if lo == hi and self.widen_back and chunk.points_back[i] and i - 1 in neighbours:
+                lo = i - 1
             used.update(range(lo, hi + 1))
             spans.append(EvidenceSpan(chunk.spans[lo][0], chunk.spans[hi][1], score))
         return spans
@@ -196,14 +232,22 @@ class EvidenceFinder:
             row = 0
             for n in missing:
                 count = len(spans[n])
-                found[n] = _ChunkSentences(
-                    spans[n],
-                    vectors[row : row + count].astype(np.float16),
-                    [frozenset(self.analyzer.terms(texts[n][lo:hi])) for lo, hi in spans[n]],
-                )
+                found[n] = self._chunk(texts[n], spans[n], vectors[row : row + count])
                 row += count
             self._remember({keys[n]: found[n] for n in missing})
         return [found[n] for n in range(len(texts))]
+
+    def _chunk(
+        self, text: str, spans: list[tuple[int, int]], vectors: np.ndarray
+    ) -> _ChunkSentences:
+        sentences = [text[lo:hi] for lo, hi in spans]
+        return _ChunkSentences(
+            spans,
+            vectors.astype(np.float16),
+            [frozenset(self.analyzer.terms(s)) for s in sentences],
+            [frozenset(_CODE_NAME.findall(s)) for s in sentences],
+            [_POINTS_BACK.match(s) is not None for s in sentences],
+        )
 
     def _remember(self, new: dict[bytes, _ChunkSentences]) -> None:
         with self._lock:

@@ -84,6 +84,9 @@ class Settings(BaseSettings):
 
     # Q&A
     system_prompt_file: Path | None = None
+    # the few-shot examples shown before every question (a JSON list like the packaged
+    # app/prompt/defaults/few_shot.json, which is used when unset)
+    few_shot_file: Path | None = None
     max_question_chars: int = Field(4000, ge=1)
     max_tokens_cap: int = Field(2048, ge=1)
     default_max_tokens: int = Field(256, ge=1)

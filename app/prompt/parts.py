@@ -12,6 +12,16 @@ from typing import Any
 SOURCES_HEADER = "Sources:\n"
 NO_SOURCES = "(no sources found)\n"
 NO_NEW_SOURCES = "(no new sources; the ones above still apply)\n"
+# Where an answer ends, besides EOS and its token budget: where the model starts a question of
+# its own in the prompt's format, and right after a first sentence saying that the sources do
+# not hold the answer (said once, with nothing made up after it; the evidence spans still show
+# what was found).
+ANSWER_STOP = ["\nQuestion:"]
+NOT_IN_SOURCES = (
+    r"\A\s*(?:The|These|This|Those)?\s*(?:provided\s+|given\s+)?"
+    r"(?:documents?|sources?|context|text)\s+(?:do|does|did)\s*(?:not|n't)\b[^\n]*?[.!]"
+    r"[\"'\u201d)\]]*(?=\s)"
+)
 # Private-use characters no template or prompt file contains: they mark where a user message's
 # content and an earlier answer go in the rendered chat template.
 CONTENT_MARK = "\ue000"
@@ -71,16 +81,18 @@ class PromptConfig:
         return "\n\n".join(p for p in parts if p)
 
 
-def load_prompt_config(system_prompt_file: Path | None = None) -> PromptConfig:
+def load_prompt_config(
+    system_prompt_file: Path | None = None, few_shot_file: Path | None = None
+) -> PromptConfig:
     """The packaged prompt files (app/prompt/defaults/), with the system prompt read from
-    `system_prompt_file` instead when given."""
+    `system_prompt_file` and the few-shot examples from `few_shot_file` instead when given (a
+    JSON list shaped like defaults/few_shot.json; `[]` means no examples)."""
     folder = Path(__file__).parent / "defaults"
-    if system_prompt_file is not None:
-        system = Path(system_prompt_file).read_text(encoding="utf-8")
-    else:
-        system = (folder / "system.txt").read_text(encoding="utf-8")
+    system = Path(system_prompt_file or folder / "system.txt").read_text(encoding="utf-8")
     tools = (folder / "tools.txt").read_text(encoding="utf-8")
-    examples = json.loads((folder / "few_shot.json").read_text(encoding="utf-8"))
+    examples = json.loads(Path(few_shot_file or folder / "few_shot.json").read_text("utf-8"))
+    if not isinstance(examples, list):
+        raise ValueError("a few-shot file holds a JSON list of examples")
     return PromptConfig(system, tools, [_few_shot(e) for e in examples])
 
 

@@ -24,6 +24,7 @@ from prefixrag.app.core.errors import HistoryChunkNotFoundError, InvalidInputErr
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Turn
+from prefixrag.app.prompt.parts import ANSWER_STOP, NOT_IN_SOURCES
 from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
@@ -83,6 +84,8 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=query.temperature,
+        stop=ANSWER_STOP,
+        stop_after=[NOT_IN_SOURCES],
         **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
     history, found = await run_in_threadpool(_read, pipeline, query, tenant)

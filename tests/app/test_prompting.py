@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -156,6 +157,26 @@ def test_system_prompt_file_replaces_the_packaged_one(tokenizer: Tokenizer, tmp_
     custom = PromptBuilder(tokenizer, load_prompt_config(path))
     assert "Answer like a pirate" in custom.stable_text
     assert custom.stable_ids == tokenizer.encode(custom.stable_text)
+
+
+def test_few_shot_file_replaces_the_packaged_examples(tokenizer: Tokenizer, tmp_path):
+    example = {
+        "sources": [{"title": "Kiln manual", "text": "Fire the kiln at 1200 degrees."}],
+        "question": "How hot is the kiln fired?",
+        "answer": "Fire the kiln at 1200 degrees [1].",
+    }
+    path = tmp_path / "few_shot.json"
+    path.write_text(json.dumps([example]))
+    custom = PromptBuilder(tokenizer, load_prompt_config(few_shot_file=path))
+    assert "Kiln manual" in custom.stable_text
+    assert "Lighthouse log" not in custom.stable_text  # the packaged examples are gone
+    assert custom.stable_ids == tokenizer.encode(custom.stable_text)
+    path.write_text("[]")
+    bare = PromptBuilder(tokenizer, load_prompt_config(few_shot_file=path))
+    assert "Question:" not in bare.stable_text
+    path.write_text(json.dumps(example))
+    with pytest.raises(ValueError, match="JSON list"):
+        load_prompt_config(few_shot_file=path)
 
 
 @pytest.mark.parametrize("question", ["", "  \n\t "])

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.main import create_app
 from prefixrag.app.prompt.builder import Source
+from prefixrag.app.prompt.parts import ANSWER_STOP, NOT_IN_SOURCES
 from prefixrag.app.schemas.query import QueryIn
 from prefixrag.app.services import qa as qa_service
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state
@@ -200,6 +201,9 @@ def test_answers_default_to_the_settings_repeat_ban_and_a_request_overrides_it(q
     assert params(max_tokens=7).max_tokens == 7
     assert params(no_repeat_ngram_size=0).no_repeat_ngram_size == 0
     assert params(no_repeat_ngram_size=default + 3).no_repeat_ngram_size == default + 3
+    # every answer ends where the model starts its own question, and after a first sentence
+    # saying the sources do not hold the answer (tests/app/test_not_in_sources.py)
+    assert params().stop == ANSWER_STOP and params().stop_after == [NOT_IN_SOURCES]
     # the engine applies what SamplingParams carries: tests/engine/test_penalties.py
 
 

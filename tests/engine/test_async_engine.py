@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -102,6 +103,25 @@ def test_stop_string_and_bad_prompt(engine):
     assert isinstance(result, GenerationResult)
     assert result.finish_reason == "stop" and result.stop_reason == stop
     assert text == full_text[: full_text.index(stop)]
+
+
+def test_stop_after_pattern_keeps_the_match_and_ends_the_output(engine):
+    async def main():
+        full_text, _ = await collect(
+            engine, PROMPTS[1], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        )
+        word = full_text.strip().split()[1]
+        pattern = re.escape(word)
+        params = SamplingParams(max_tokens=32, temperature=0.0, stop_after=[pattern])
+        text, result = await collect(engine, PROMPTS[1], params)
+        return full_text, word, pattern, text, result
+
+    full_text, word, pattern, text, result = asyncio.run(main())
+    assert isinstance(result, GenerationResult)
+    assert result.finish_reason == "stop" and result.stop_reason == pattern
+    end = full_text.index(word) + len(word)
+    assert text == result.text == full_text[:end]
+    assert result.completion_tokens < 32
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):

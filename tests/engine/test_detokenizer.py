@@ -91,3 +91,29 @@ def test_real_tokenizer_streams_the_same_text_as_a_whole_decode(tokenizer):
     deltas, _ = run(IncrementalDetokenizer(tokenizer.decode), ids)
     assert "".join(deltas) == tokenizer.decode(ids)
     assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "kept"),
+    [
+        ("café", "naïve café"),  # a match ending on a character split across tokens
+        (r"\A[^.]*\.(?=\s)", "naïve café — 東京 ✓ emoji 🙂 done."),
+        ("🙂", "naïve café — 東京 ✓ emoji 🙂"),
+    ],
+)
+def test_stop_after_pattern_ends_output_after_its_match(pattern, kept):
+    ids = byte_encode(TEXT, random.Random(0))
+    detok = IncrementalDetokenizer(byte_decode, stop_after=[pattern, "never-there"])
+    deltas, stopped = run(detok, ids)
+    assert stopped == pattern
+    assert "".join(deltas) == detok.text == kept
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_after_never_takes_back_text_already_shown():
+    # the match ends at "a" but is found only with the third "b", when "abb" has been shown: the
+    # output keeps what was shown and drops the rest
+    ids = list(b"abbbc")
+    detok = IncrementalDetokenizer(byte_decode, stop_after=["a(?=bbb)"])
+    deltas, stopped = run(detok, ids)
+    assert stopped == "a(?=bbb)" and deltas == ["a", "b", "b", ""] and detok.text == "abb"

@@ -85,6 +85,60 @@ def test_a_neighbour_within_the_margin_widens_the_span(embedder: Embedder):
     assert (wide.start, wide.end) != (narrow.start, narrow.end)
 
 
+def test_a_sentence_that_points_back_takes_the_one_before_it(embedder: Embedder):
+    question = "Who climbed the spiral stairs every evening to light the lamp?"
+    sentences = sentence_spans(LIGHTHOUSE)
+    assert LIGHTHOUSE[slice(*sentences[1])].startswith("Its keeper")
+    alone = EvidenceFinder(max_spans=1, extend_margin=NEVER, widen_back=False)
+    assert alone.find(question, [LIGHTHOUSE], embedder=embedder)[0][0].start == sentences[1][0]
+    back = EvidenceFinder(max_spans=1, extend_margin=NEVER)
+    span = back.find(question, [LIGHTHOUSE], embedder=embedder)[0][0]
+    assert (span.start, span.end) == (sentences[0][0], sentences[1][1])  # two sentences, no more
+
+
+NOTES = (
+    "When an exception is created in order to be raised, it is usually initialized with "
+    "information that describes the error that has occurred. "
+    "There are cases where it is useful to add information after the exception was caught. "
+    "For this purpose, exceptions have a method add_note(note) that accepts a string and adds "
+    "it to the exception's notes list."
+)
+
+
+def scores_by_span(finder: EvidenceFinder, question: str, text: str, embedder: Embedder):
+    return {(s.start, s.end): s.score for s in finder.find(question, [text], embedder=embedder)[0]}
+
+
+def test_naming_code_the_question_does_not_adds_the_code_weight(embedder: Embedder):
+    question = "How do I add extra information to an exception after catching it?"
+    plain = EvidenceFinder(max_spans=3, code_weight=0.0, extend_margin=NEVER, widen_back=False)
+    coded = EvidenceFinder(max_spans=3, code_weight=0.25, extend_margin=NEVER, widen_back=False)
+    before = {
+        (s.start, s.end): s.score for s in plain.find(question, [NOTES], embedder=embedder)[0]
+    }
+    after = {(s.start, s.end): s.score for s in coded.find(question, [NOTES], embedder=embedder)[0]}
+    assert before.keys() == after.keys() == set(sentence_spans(NOTES))
+    for (lo, hi), score in after.items():
+        names_code = "add_note(" in NOTES[lo:hi]
+        assert score == pytest.approx(before[(lo, hi)] + (0.25 if names_code else 0.0), abs=1e-6)
+    # the embedder alone prefers the sentence that restates the question; the bonus lets the
+    # one that answers it win
+    best = max(before, key=before.__getitem__)
+    assert NOTES[slice(*best)].startswith("There are cases")
+    shipped = EvidenceFinder(max_spans=1, extend_margin=NEVER)
+    top = shipped.find(question, [NOTES], embedder=embedder)[0][0]
+    assert "add_note(note)" in NOTES[top.start : top.end]
+
+
+def test_code_named_by_the_question_earns_no_bonus(embedder: Embedder):
+    question = "What does add_note(note) do to an exception?"
+    plain = EvidenceFinder(max_spans=3, code_weight=0.0, extend_margin=NEVER, widen_back=False)
+    coded = EvidenceFinder(max_spans=3, code_weight=0.25, extend_margin=NEVER, widen_back=False)
+    assert coded.find(question, [NOTES], embedder=embedder) == plain.find(
+        question, [NOTES], embedder=embedder
+    )
+
+
 def test_sentence_vectors_are_cached_per_chunk_and_evicted_oldest_first(embedder: Embedder):
     counting = CountingEmbedder(embedder)
     finder = EvidenceFinder(cache_chunks=1)

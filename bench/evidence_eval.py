@@ -1,0 +1,119 @@
+"""Evidence spans offline: the finder's settings scored on the sources /v1/query cites, no LLM.
+
+Evidence accuracy is bench/answer_eval.py's: a gold string in the top evidence span of some
+cited source, over source recall (a gold string in some cited source). The cited sources depend
+only on retrieval, so they are fetched once through /v1/query (max_tokens=1: no answer is
+generated) and kept in bench/.cache; each setting in SETTINGS then re-scores them with its own
+EvidenceFinder in seconds. Settings are chosen on the tuning half (the default) and confirmed
+on the held-out one. The median length of the top spans is reported beside each, so a setting
+cannot win by highlighting more text.
+
+    python -m bench.evidence_eval [--half tune|held_out] [--settings shipped,...] [--refresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.answer_eval import DATA, RESULTS, eval_client, holds_gold, kept_corpus
+from bench.eval_split import HALVES, half_of
+from prefixrag.app.core.settings import packaged_embedder_path
+from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.evidence import EvidenceFinder
+
+NEVER = float("-inf")  # an extend_margin no neighbour passes
+
+# EvidenceFinder arguments per setting; "shipped" is the finder's defaults.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    "before": {"code_weight": 0.0, "widen_back": False},  # last round's finder
+    "single": {"extend_margin": NEVER, "widen_back": False},
+    "no_terms": {"term_weight": 0.0},
+    "no_code": {"code_weight": 0.0},
+    "no_back": {"widen_back": False},
+    "code0.2": {"code_weight": 0.2},
+    "code0.4": {"code_weight": 0.4},
+    "terms0.6": {"term_weight": 0.6},
+    "margin0.2": {"extend_margin": 0.2},
+}
+
+
+def cited_sources(spec: dict, refresh: bool) -> list[dict[str, Any]]:
+    """Per question of the eval set: its text, gold strings, half and cited source texts."""
+    path = kept_corpus(spec).with_name(kept_corpus(spec).name + "-cited.json")
+    if path.is_file() and not refresh:
+        return json.loads(path.read_text())
+    out = []
+    with eval_client(spec, kept_corpus(spec)) as client:
+        for question in tqdm(spec["questions"], desc="citations"):
+            body = {"question": question["q"], "temperature": 0, "max_tokens": 1}
+            response = client.post("/v1/query", json=body)
+            response.raise_for_status()
+            texts = [c["text"] for c in response.json()["citations"]]
+            out.append({**question, "half": half_of(question["q"]), "cited": texts})
+    path.write_text(json.dumps(out))
+    return out
+
+
+def evaluate(finder: EvidenceFinder, questions: list[dict], embedder: Embedder) -> dict:
+    """Evidence accuracy, source recall, their ratio and the top spans' median length."""
+    recall = evidence = 0
+    lengths: list[int] = []
+    for question in questions:
+        texts = question["cited"]
+        found = finder.find(question["q"], texts, embedder=embedder)
+        tops = [text[s[0].start : s[0].end] for text, s in zip(texts, found, strict=True) if s]
+        lengths += [len(top) for top in tops]
+        recall += any(holds_gold(text, question["a"]) for text in texts)
+        evidence += any(holds_gold(top, question["a"]) for top in tops)
+    return {
+        "questions": len(questions),
+        "source_recall": recall / len(questions),
+        "evidence_accuracy": evidence / len(questions),
+        "evidence_over_recall": evidence / recall if recall else 0.0,
+        "top_span_chars_median": float(np.median(lengths)) if lengths else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--half", choices=HALVES, default="tune")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=", ".join(SETTINGS))
+    parser.add_argument("--refresh", action="store_true", help="fetch the citations again")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
+    spec = json.loads(DATA.read_text())
+    questions = [q for q in cited_sources(spec, args.refresh) if q["half"] == args.half]
+    embedder = Embedder(packaged_embedder_path())
+    shared = EvidenceFinder()  # one sentence cache for every setting: same embedder, same texts
+    summary = {}
+    for name in names:
+        finder = EvidenceFinder(**SETTINGS[name])
+        finder._cache = shared._cache  # a bench sharing one sentence cache on purpose
+        summary[name] = evaluate(finder, questions, embedder)
+    report = {"half": args.half, "settings": {n: SETTINGS[n] for n in names}, "summary": summary}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"evidence_eval_{args.half}.json"
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\n{args.half} half, {len(questions)} questions")
+    print(f"{'setting':12} {'evid.':>7} {'recall':>7} {'ev/rec':>7} {'chars':>6}")
+    for name, s in summary.items():
+        print(
+            f"{name:12} {s['evidence_accuracy']:7.3f} {s['source_recall']:7.3f} "
+            f"{s['evidence_over_recall']:7.3f} {s['top_span_chars_median']:6.0f}"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
