@@ -85,24 +85,30 @@ def num_blocks_for_budget(budget_bytes: int, *, block_size: int, kv_bytes_per_to
 
 
 def resolve_kv_dtype(
-    kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype, device: torch.device
+    kv_dtype: str | torch.dtype | None,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    can_narrow: bool = True,
 ) -> torch.dtype:
-    """The KV cache's dtype: None is the model's; ``auto`` is float16 for a float32 model on
-    CPU (see DEFAULT_CPU_KV_DTYPE), else the model's. A dtype other than the model's is for CPU
-    only (the Triton kernels read the cache in the model's dtype)."""
+    """The KV cache's dtype: None is the model's; ``auto`` is float16 for a float32 model on CPU
+    (see DEFAULT_CPU_KV_DTYPE) when the attention backend reads a narrower cache
+    (``can_narrow``: native and torch do), else the model's. A dtype other than the model's is
+    for CPU only, under such a backend (the Triton kernels read the cache in the model's
+    dtype); ValueError otherwise."""
     if kv_dtype is None:
         return model_dtype
     if kv_dtype == "auto":
         is_cpu_f32 = device.type == "cpu" and model_dtype == torch.float32
-        return DEFAULT_CPU_KV_DTYPE if is_cpu_f32 else model_dtype
+        return DEFAULT_CPU_KV_DTYPE if is_cpu_f32 and can_narrow else model_dtype
     resolved = kv_dtype if isinstance(kv_dtype, torch.dtype) else _DTYPES.get(kv_dtype)
     if resolved is None:
+        choices = ", ".join(_DTYPES)
+        raise ValueError(f"unknown kv cache dtype {kv_dtype!r}; choose from auto, {choices}")
+    if resolved != model_dtype and (device.type != "cpu" or not can_narrow):
         raise ValueError(
-            f"unknown kv cache dtype {kv_dtype!r}; choose from auto, {', '.join(_DTYPES)}"
-        )
-    if resolved != model_dtype and device.type != "cpu":
-        raise ValueError(
-            f"a {resolved} KV cache under a {model_dtype} model runs on CPU only, not {device}"
+            f"a {resolved} KV cache under a {model_dtype} model runs on CPU only, with the "
+            f"native or torch attention backend (here {device})"
         )
     return resolved
 
@@ -250,14 +256,12 @@ class ModelRunner:
         self.scattered_backend = make_scattered_attention(backend, self.device)
         self.model = self._build_model(config, tensors, seed)
         self.scale = config.head_dim**-0.5
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype, self.device)
-        if self.kv_dtype != self.dtype and not isinstance(
-            self.backend, NativeAttention | TorchAttention
-        ):
-            raise ValueError(
-                f"a {self.kv_dtype} KV cache under a {self.dtype} model needs the native or "
-                f"torch attention backend, not {backend}"
-            )
+        self.kv_dtype = resolve_kv_dtype(
+            kv_cache_dtype,
+            self.dtype,
+            self.device,
+            can_narrow=isinstance(self.backend, NativeAttention | TorchAttention),
+        )
         elem = self.kv_dtype.itemsize
         self.kv_bytes_per_token = (
             2 * config.num_layers * config.num_kv_heads * config.head_dim * elem

@@ -69,8 +69,12 @@ def test_auto_is_float16_for_a_float32_model_on_cpu_only():
     assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float16
     assert resolve_kv_dtype(None, torch.float32, cpu) == torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    # a backend that reads the cache in the model's dtype (Triton) keeps it
+    assert resolve_kv_dtype("auto", torch.float32, cpu, can_narrow=False) == torch.float32
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_dtype("float16", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_dtype("float16", torch.float32, cpu, can_narrow=False)
     with pytest.raises(ValueError, match="unknown"):
         resolve_kv_dtype("int8", torch.float32, cpu)
 
