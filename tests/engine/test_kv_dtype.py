@@ -158,3 +158,14 @@ def test_disk_tier_of_a_16bit_cache_is_its_own(request: pytest.FixtureRequest, t
     assert back_k.dtype == torch.float16 and torch.equal(back_k, k) and torch.equal(back_v, v)
     f16.close()
     f32.close()
+
+
+def test_the_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch):
+    from prefixrag.app.core.settings import Settings
+    from prefixrag.app.services.llm import engine_config_from_settings
+
+    monkeypatch.setenv("PREFIXRAG_KV_CACHE_DTYPE", "bfloat16")
+    assert engine_config_from_settings(Settings()).kv_cache_dtype == "bfloat16"
+    monkeypatch.setenv("PREFIXRAG_KV_CACHE_DTYPE", "int8")
+    with pytest.raises(ValueError):
+        Settings()
