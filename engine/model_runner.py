@@ -43,10 +43,12 @@ from prefixrag.engine.weights import load_checkpoint
 from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The KV cache of a float32 model on CPU: at a long context a decode step reads as many KV bytes
-# as weight bytes, and 16 bits halve them. float16, not bfloat16: three more mantissa bits for
-# the same bytes (its range, 6e4, holds the K/V of the Llama-family models here), and F16C
-# widens it as fast as bfloat16's shift (bench/kv_dtype_bench.py). llama.cpp's default is the same.
+# The KV cache of a float32 model on CPU: at a long context a decode step reads about as many KV
+# bytes as weight bytes, and 16 bits halve them (llama.cpp's default cache is float16 too).
+# float16, not bfloat16: three more mantissa bits for the same bytes, and F16C widens it as fast
+# as bfloat16's shift (bench/kv_dtype_bench.py: 296 vs 304 us per layer at 2k). Its range
+# (+-65504) holds the packaged model's K/V; tests/engine/test_kv_dtype.py checks greedy output
+# and logits against a float32 cache.
 DEFAULT_CPU_KV_DTYPE = torch.float16
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 # float32 copies of GGUF block weights for prefill matmuls, when the whole model fits in this
