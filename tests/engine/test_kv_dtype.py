@@ -116,9 +116,9 @@ def test_long_context_decode_is_the_same_bits_for_any_thread_count(runners, prom
     before = torch.get_num_threads()
     runs = []
     try:
-        for threads in (1, 2, 3):
+        for threads in (1, 3):  # 3 threads share its 6 tasks (2 splits x 3 kv heads) unevenly
             torch.set_num_threads(threads)
-            runs.append(_greedy(runner, ids, 4)[0])
+            runs.append(_greedy(runner, ids, 2)[0])
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(runs[0], r) for r in runs[1:])
