@@ -26,6 +26,12 @@ reported too: a check that both ran the same model on the same ids. Our TTFT is 
 (request arrival to first token: scheduling, prefill, sampling); the peers' is their forward or
 eval plus an argmax.
 
+KV cache: ours on GGUF blocks stores it as --kv-cache-dtype (default auto: float16 on CPU, as
+llama.cpp's own default f16 cache); --also-kv-dtypes adds more of our GGUF engines, one per KV
+dtype, each against the same llama.cpp; ours fp32 keeps a float32 cache (like transformers). The
+JSON reports every engine's KV dtype. --figures runs only some figures (e.g. decode_long) and
+--no-fp32 leaves out the fp32/transformers comparison, for a narrow run on a busy machine.
+
 Threads: --threads for every side. llama.cpp gets n_threads = n_threads_batch = it; our side gets
 OMP_NUM_THREADS (the C kernels are OpenMP, sharing torch's libgomp; the process restarts itself
 once to set it before torch loads) and torch.set_num_threads. The JSON reports what each side
@@ -35,6 +41,7 @@ Writes bench/results/engine_bench.json and .png and prints a table of ours, thei
 speed-up, saying where we lose.
 
     python -m bench.engine_bench [--threads 2] [--repeats 5] [--quick]
+    python -m bench.engine_bench --figures decode_long --no-fp32 --also-kv-dtypes float32
 """
 
 from __future__ import annotations
@@ -124,13 +131,14 @@ TIE = 0.05
 # -- ours ----------------------------------------------------------------------------------------
 
 
-def build_engine(config: EngineConfig, weight_quant: str) -> LLMEngine:
+def build_engine(config: EngineConfig, weight_quant: str, kv_cache_dtype: str) -> LLMEngine:
     runner = ModelRunner(
         config.model,
         block_size=config.block_size,
         kv_cache_bytes=int(config.kv_cache_gb * 2**30),
         cache_dir=config.cache_dir,
         weight_quant=weight_quant,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return LLMEngine(config, runner=runner)
 
@@ -388,7 +396,12 @@ def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     }
 
 
-def measure(sides: dict[str, dict[str, object]], prompts: dict, sizes: dict) -> tuple[dict, dict]:
+FIGURES = ("ttft", "decode_long", "decode_short", "concurrent", "partial")
+
+
+def measure(
+    sides: dict[str, dict[str, object]], prompts: dict, sizes: dict, only: tuple[str, ...] = FIGURES
+) -> tuple[dict, dict]:
     """Interleaved repeats. ``sides``: comparison -> {"ours": side, "theirs": side or a reason}.
     Returns every sample (comparison -> ours/theirs -> metric -> list) and the last repeat's
     greedy tokens (comparison -> ours/theirs -> list of token lists)."""
@@ -432,7 +445,7 @@ def measure(sides: dict[str, dict[str, object]], prompts: dict, sizes: dict) -> 
         (comparison, name, fn)
         for name, fn in figures
         for comparison in sides
-        if name != "concurrent" or comparison == "fp32_vs_transformers"
+        if name in only and (name != "concurrent" or comparison == "fp32_vs_transformers")
     ]
     samples: dict = {c: {"ours": {}, "theirs": {}} for c in sides}
     tokens: dict = {c: {"ours": {}, "theirs": {}} for c in sides}
@@ -532,7 +545,8 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), width_ratios=(3, 2))
     labels, values, colors = [], [], []
-    for comparison, color in (("gguf_vs_llama_cpp", "#2a7"), ("fp32_vs_transformers", "#36c")):
+    palette = ("#2a7", "#36c", "#c63", "#a3a")
+    for comparison, color in zip(result["comparisons"], palette, strict=False):
         block = result["comparisons"][comparison]
         for row in block["metrics"].values():
             if row["speedup"] is None:
@@ -556,8 +570,7 @@ def plot(result: dict, path: Path) -> None:
     left.set_title(title + ("\nllama.cpp: " + peer if isinstance(peer, str) else ""))
 
     names, cold, warm = [], [], []
-    for comparison in ("gguf_vs_llama_cpp", "fp32_vs_transformers"):
-        block = result["comparisons"][comparison]
+    for block in result["comparisons"].values():
         rows = block["metrics"]
         for who in ("ours", "theirs"):
             if "cold_ttft_ms" in rows and isinstance(rows["cold_ttft_ms"][who], float):
@@ -638,8 +651,30 @@ def main() -> None:
         default="on",
         help="llama.cpp flash attention (its own default, auto, is on for CPU)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="auto",
+        help="our GGUF engine's KV cache (auto: float16 on CPU)",
+    )
+    parser.add_argument(
+        "--also-kv-dtypes",
+        default="",
+        help="comma-separated KV dtypes of more GGUF engines of ours, each against llama.cpp",
+    )
+    parser.add_argument(
+        "--figures", default=",".join(FIGURES), help=f"comma-separated subset of {FIGURES}"
+    )
+    parser.add_argument(
+        "--no-fp32", action="store_true", help="leave out ours fp32 vs transformers"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "engine_bench.json")
     args = parser.parse_args()
+    args.figures = tuple(f for f in args.figures.split(",") if f)
+    args.also_kv_dtypes = tuple(d for d in args.also_kv_dtypes.split(",") if d)
+    for name in args.figures:
+        if name not in FIGURES:
+            raise SystemExit(f"unknown figure {name!r}; choose from {FIGURES}")
     pin_threads(args.threads)
     sizes = resolve_sizes(args)
 
@@ -655,11 +690,13 @@ def main() -> None:
     # others' work on a shared machine skews every figure: the load before and after is kept
     load_before = os.getloadavg()[0]
     print("loading: ours gguf, ours fp32, transformers fp32, llama.cpp", file=sys.stderr)
-    gguf, fp32 = build_engine(config, "gguf"), build_engine(config, "none")
-    transformers_model = load_transformers()
+    gguf = build_engine(config, "gguf", args.kv_cache_dtype)
+    more_gguf = {dtype: build_engine(config, "gguf", dtype) for dtype in args.also_kv_dtypes}
+    fp32 = None if args.no_fp32 else build_engine(config, "none", "float32")
+    transformers_model = None if args.no_fp32 else load_transformers()
     llama = start_llama_cpp(args, sizes, model_path)
     try:
-        result = run(args, sizes, gguf, fp32, transformers_model, llama)
+        result = run(args, sizes, gguf, fp32, transformers_model, llama, more_gguf)
     finally:
         if isinstance(llama, LlamaCpp):
             llama.close()
@@ -678,7 +715,15 @@ def main() -> None:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model, llama) -> dict:
+def run(
+    args,
+    sizes: dict,
+    gguf: LLMEngine,
+    fp32: LLMEngine | None,
+    transformers_model,
+    llama,
+    more_gguf: dict[str, LLMEngine],
+) -> dict:
     step = sizes["suffix_tokens"]
     prompts = {
         "prefix": corpus_ids(gguf, sizes["prefix_tokens"]),
@@ -704,9 +749,15 @@ def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model,
     }
     peer_missing = llama if isinstance(llama, str) else None
     sides: dict[str, dict[str, object]] = {
-        "gguf_vs_llama_cpp": {"ours": Ours(gguf), "theirs": llama},
-        "fp32_vs_transformers": {"ours": Ours(fp32), "theirs": Transformers(transformers_model)},
+        "gguf_vs_llama_cpp": {"ours": Ours(gguf), "theirs": llama}
     }
+    for dtype, engine in more_gguf.items():
+        sides[f"gguf_kv_{dtype}_vs_llama_cpp"] = {"ours": Ours(engine), "theirs": llama}
+    if fp32 is not None:
+        sides["fp32_vs_transformers"] = {
+            "ours": Ours(fp32),
+            "theirs": Transformers(transformers_model),
+        }
     # warm-up, untimed: kernels built, buffers allocated, every prefill and decode path run once
     warm_prefix = prompts["prefix"][:64]
     for pair in tqdm(sides.values(), desc="warm-up"):
@@ -714,29 +765,34 @@ def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model,
             if not isinstance(side, str):
                 side.ttft_pair(warm_prefix, prompts["suffixes"][0], prompts["suffixes"][1])
                 side.decode(prompts["short"], 4)
-    samples, tokens = measure(sides, prompts, sizes)
-
-    import transformers
+    samples, tokens = measure(sides, prompts, sizes, args.figures)
 
     labels = {k: label.format(**sizes) for k, label, _, _ in METRICS}
+    engines = {"gguf_vs_llama_cpp": gguf} | {
+        f"gguf_kv_{dtype}_vs_llama_cpp": engine for dtype, engine in more_gguf.items()
+    }
     comparisons = {
-        "gguf_vs_llama_cpp": {
-            "label": "GGUF Q4_1",
+        name: {
+            "label": f"GGUF Q4_1, KV {str(engine.runner.kv_dtype).removeprefix('torch.')}",
             "ours": "ours (gguf blocks)",
             "theirs": "llama.cpp",
             "peer": llama.info if isinstance(llama, LlamaCpp) else llama,
-            "metrics": summarize_metrics(samples["gguf_vs_llama_cpp"], peer_missing),
-            "warm_cached_tokens": cached_tokens(samples["gguf_vs_llama_cpp"]),
-        },
-        "fp32_vs_transformers": {
+            "metrics": summarize_metrics(samples[name], peer_missing),
+            "warm_cached_tokens": cached_tokens(samples[name]),
+        }
+        for name, engine in engines.items()
+    }
+    if fp32 is not None:
+        import transformers
+
+        comparisons["fp32_vs_transformers"] = {
             "label": "fp32",
             "ours": "ours (fp32)",
             "theirs": "transformers",
             "peer": {"transformers": transformers.__version__, "dtype": "float32"},
             "metrics": summarize_metrics(samples["fp32_vs_transformers"], None),
             "warm_cached_tokens": cached_tokens(samples["fp32_vs_transformers"]),
-        },
-    }
+        }
     for block in comparisons.values():
         for key, row in block["metrics"].items():
             row["label"] = labels[key]
@@ -748,21 +804,23 @@ def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model,
         ]
         return greedy_agreement([x for x, _ in pairs], [y for _, y in pairs]) if pairs else None
 
-    ours_gguf, ours_fp32 = (
-        tokens["gguf_vs_llama_cpp"]["ours"],
-        tokens["fp32_vs_transformers"]["ours"],
-    )
-    greedy = {
-        "gguf_vs_llama_cpp": agreement("gguf_vs_llama_cpp", "ours", "theirs"),
-        "fp32_vs_transformers": agreement(
+    greedy = {name: agreement(name, "ours", "theirs") for name in engines}
+    ours_gguf = tokens["gguf_vs_llama_cpp"]["ours"]
+    decodes = [n for n in ("decode_short", "decode_long") if n in ours_gguf]
+    if fp32 is not None:
+        greedy["fp32_vs_transformers"] = agreement(
             "fp32_vs_transformers", "ours", "theirs", ("decode_short", "decode_long", "concurrent")
-        ),
-        # the same matrices: all equal, barring ties in the logits
-        "gguf_vs_fp32": greedy_agreement(
-            [*ours_gguf["decode_short"], *ours_gguf["decode_long"]],
-            [*ours_fp32["decode_short"], *ours_fp32["decode_long"]],
-        ),
-    }
+        )
+        ours_fp32 = tokens["fp32_vs_transformers"]["ours"]
+        # the same matrices: all equal, barring ties in the logits (and 16-bit KV rounding)
+        greedy["gguf_vs_fp32"] = greedy_agreement(
+            [t for n in decodes for t in ours_gguf[n]], [t for n in decodes for t in ours_fp32[n]]
+        )
+    for dtype in more_gguf:
+        other = tokens[f"gguf_kv_{dtype}_vs_llama_cpp"]["ours"]
+        greedy[f"gguf_kv_{dtype}_vs_gguf"] = greedy_agreement(
+            [t for n in decodes for t in other[n]], [t for n in decodes for t in ours_gguf[n]]
+        )
     runner = gguf.runner
     return {
         "model": os.path.basename(runner.model_path),
@@ -777,15 +835,20 @@ def run(args, sizes: dict, gguf: LLMEngine, fp32: LLMEngine, transformers_model,
                 llama.info["n_threads_batch"] if isinstance(llama, LlamaCpp) else None
             ),
         },
-        "sizes": {**sizes, "quick": args.quick},
+        "sizes": {**sizes, "quick": args.quick, "figures": list(args.figures)},
         "ours": {
             name: {
                 "weight_quant": engine.runner.weight_quant,
                 "attention_backend": type(engine.runner.backend).__name__,
-                "kv_dtype": str(engine.runner.dtype),
+                "dtype": str(engine.runner.dtype),
+                "kv_dtype": str(engine.runner.kv_dtype),
                 "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
             }
-            for name, engine in (("gguf", gguf), ("fp32", fp32))
+            for name, engine in (
+                ("gguf", gguf),
+                *((f"gguf_kv_{d}", e) for d, e in more_gguf.items()),
+                *((("fp32", fp32),) if fp32 is not None else ()),
+            )
         },
         "comparisons": comparisons,
         "greedy_agreement": greedy,

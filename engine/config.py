@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
 
@@ -40,6 +41,12 @@ class EngineConfig:
     how tokens were batched, so prefix cache on and off are only exactly equal in ``none`` and
     ``gguf``.
 
+    ``kv_cache_dtype``: the KV cache's storage. ``auto`` is float16 for a float32 model on CPU
+    (half the bytes a long-context decode step reads; attention math stays float32, greedy
+    output agrees with a float32 cache over hundreds of tokens, tests/engine/test_kv_dtype.py)
+    and the model's dtype elsewhere; ``float32`` keeps full precision. A dtype other than the
+    model's is CPU only.
+
     Chunk reuse (``enable_chunk_reuse``, only with the prefix cache on) keeps the KV of the
     source bodies a prompt names and places it at new positions in later prompts, recomputing
     ``chunk_recompute_fraction`` of those tokens from layer ``chunk_select_layer`` on (1.0 equals
@@ -57,6 +64,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     weight_quant: str = "auto"
     device: str = "auto"
     cache_dir: str | None = None
@@ -85,6 +93,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_cache must be a bool, got {self.enable_prefix_cache}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("weight_quant", self.weight_quant, WEIGHT_QUANTS)
         _check_choice("device", self.device, DEVICES)
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):

@@ -87,6 +87,7 @@ class LLMEngine:
             kv_cache_bytes=int(config.kv_cache_gb * 2**30) or None,
             device=resolve_device(config.device),
             dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             backend=config.attention_backend,
             cache_dir=config.cache_dir,
             max_model_len=config.max_model_len,
@@ -398,7 +399,7 @@ class LLMEngine:
     def _model_fingerprint(self) -> dict[str, str | int]:
         runner = self.runner
         config = runner.model_config
-        return {
+        fingerprint: dict[str, str | int] = {
             "model": f"{runner.model_path}|{runner.weight_quant}",
             "dtype": str(runner.dtype).removeprefix("torch."),
             "block_size": runner.block_size,
@@ -406,6 +407,11 @@ class LLMEngine:
             "num_kv_heads": config.num_kv_heads,
             "head_dim": config.head_dim,
         }
+        # only when it differs, so that caches written with the KV in the model's dtype keep
+        # their fingerprint (and their files)
+        if runner.kv_dtype != runner.dtype:
+            fingerprint["kv_dtype"] = str(runner.kv_dtype).removeprefix("torch.")
+        return fingerprint
 
     def _open_disk_tier(self) -> DiskTier | None:
         config = self.config

@@ -20,6 +20,7 @@ from prefixrag.engine.attention.scattered import (
     build_scattered_metadata,
     make_scattered_attention,
 )
+from prefixrag.engine.attention.torch_backend import TorchAttention
 from prefixrag.engine.blend import (
     blend_forward,
     copy_slots,
@@ -42,6 +43,13 @@ from prefixrag.engine.weights import load_checkpoint
 from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache of a float32 model on CPU: at a long context a decode step reads about as many KV
+# bytes as weight bytes, and 16 bits halve them (llama.cpp's default cache is float16 too).
+# float16, not bfloat16: three more mantissa bits for the same bytes, and F16C widens it as fast
+# as bfloat16's shift (bench/kv_dtype_bench.py: 296 vs 304 us per layer at 2k). Its range
+# (+-65504) holds the packaged model's K/V; tests/engine/test_kv_dtype.py checks greedy output
+# and logits against a float32 cache.
+DEFAULT_CPU_KV_DTYPE = torch.float16
 DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 # float32 copies of GGUF block weights for prefill matmuls, when the whole model fits in this
 DEFAULT_DENSE_PREFILL_BYTES = 1 << 30
@@ -78,6 +86,35 @@ def num_blocks_for_budget(budget_bytes: int, *, block_size: int, kv_bytes_per_to
     return num_blocks
 
 
+def resolve_kv_dtype(
+    kv_dtype: str | torch.dtype | None,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    *,
+    can_narrow: bool = True,
+) -> torch.dtype:
+    """The KV cache's dtype: None is the model's; ``auto`` is float16 for a float32 model on CPU
+    (see DEFAULT_CPU_KV_DTYPE) when the attention backend reads a narrower cache
+    (``can_narrow``: native and torch do), else the model's. A dtype other than the model's is
+    for CPU only, under such a backend (the Triton kernels read the cache in the model's
+    dtype); ValueError otherwise."""
+    if kv_dtype is None:
+        return model_dtype
+    if kv_dtype == "auto":
+        is_cpu_f32 = device.type == "cpu" and model_dtype == torch.float32
+        return DEFAULT_CPU_KV_DTYPE if is_cpu_f32 and can_narrow else model_dtype
+    resolved = kv_dtype if isinstance(kv_dtype, torch.dtype) else _DTYPES.get(kv_dtype)
+    if resolved is None:
+        choices = ", ".join(_DTYPES)
+        raise ValueError(f"unknown kv cache dtype {kv_dtype!r}; choose from auto, {choices}")
+    if resolved != model_dtype and (device.type != "cpu" or not can_narrow):
+        raise ValueError(
+            f"a {resolved} KV cache under a {model_dtype} model runs on CPU only, with the "
+            f"native or torch attention backend (here {device})"
+        )
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """``auto``/None means float32 on CPU and bfloat16 on CUDA."""
     if isinstance(dtype, torch.dtype):
@@ -97,8 +134,10 @@ class ModelRunner:
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
     ``weight_quant`` (``auto``, ``none``, ``int8``, ``gguf``; see
     :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights are stored: as
-    loaded, per-channel int8, or a GGUF file's own blocks; the KV cache stays in ``dtype``.
-    :meth:`from_config` builds one with random weights instead (benchmarks).
+    loaded, per-channel int8, or a GGUF file's own blocks. ``kv_cache_dtype`` (see
+    :func:`resolve_kv_dtype`; default: the model's dtype) picks the KV cache's storage; on CPU it
+    may be 16-bit under a float32 model (keys and values rounded on store, attention math in
+    float32). :meth:`from_config` builds one with random weights instead (benchmarks).
     """
 
     def __init__(
@@ -110,6 +149,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
         weight_quant: str = "auto",
         backend: str = "auto",
         cache_dir: str | Path | None = None,
@@ -129,6 +169,7 @@ class ModelRunner:
             kv_cache_bytes=kv_cache_bytes,
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             weight_quant=weight_quant,
             backend=backend,
             max_model_len=max_model_len,
@@ -148,6 +189,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
         weight_quant: str = "auto",
         backend: str = "auto",
         max_model_len: int | None = None,
@@ -167,6 +209,7 @@ class ModelRunner:
             kv_cache_bytes=kv_cache_bytes,
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             weight_quant=weight_quant,
             backend=backend,
             max_model_len=max_model_len,
@@ -185,6 +228,7 @@ class ModelRunner:
         kv_cache_bytes: int | None,
         device: str | torch.device,
         dtype: str | torch.dtype | None,
+        kv_cache_dtype: str | torch.dtype | None,
         weight_quant: str,
         backend: str,
         max_model_len: int | None,
@@ -214,7 +258,13 @@ class ModelRunner:
         self.scattered_backend = make_scattered_attention(backend, self.device)
         self.model = self._build_model(config, tensors, seed)
         self.scale = config.head_dim**-0.5
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_dtype = resolve_kv_dtype(
+            kv_cache_dtype,
+            self.dtype,
+            self.device,
+            can_narrow=isinstance(self.backend, NativeAttention | TorchAttention),
+        )
+        elem = self.kv_dtype.itemsize
         self.kv_bytes_per_token = (
             2 * config.num_layers * config.num_kv_heads * config.head_dim * elem
         )
@@ -265,7 +315,7 @@ class ModelRunner:
         # one allocation; per layer k_cache, v_cache: [num_blocks, block_size, Hkv, D]
         shape = (2, config.num_layers, num_blocks, self.block_size, config.num_kv_heads)
         # zeros, not empty: masked-out padding rows must never hold NaN (0 * NaN poisons SDPA).
-        pool = torch.zeros(*shape, config.head_dim, dtype=self.dtype, device=self.device)
+        pool = torch.zeros(*shape, config.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_pool = pool
         return [(pool[0, i], pool[1, i]) for i in range(config.num_layers)]
 

@@ -1,6 +1,7 @@
 """Wires a loaded model into the one-call C decode step (kernels/decode_step.py), where it fits.
 
-The C step takes GGUF block weights (``weight_quant=gguf``) in float32 on CPU. The runner uses
+The C step takes GGUF block weights (``weight_quant=gguf``) in float32 on CPU, over a float32,
+float16 or bfloat16 KV cache. The runner uses
 it for steps made only of decode tokens, up to ``MAX_ROWS`` of them; every other step, and every
 model it does not fit, runs the torch model as before.
 """
@@ -13,6 +14,7 @@ import torch
 
 from prefixrag.engine.model import LlamaModel
 from prefixrag.kernels.block_quant_matmul import BlockQuantWeight
+from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
 from prefixrag.kernels.decode_step import MAX_ROWS, DecodeLayer, DecodeStack, build
 from prefixrag.kernels.native_build import NativeBuildError
 
@@ -21,13 +23,17 @@ log = logging.getLogger(__name__)
 
 
 def native_decode_stack(
-    model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float
+    model: LlamaModel,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    split_len: int = SPLIT_LEN,
 ) -> DecodeStack | None:
     """The C decode stack over ``model``'s weights and ``kv_caches``, or None (and why, logged
-    at debug level) when the model is not all block weights in float32 or C cannot be built."""
+    at debug level) when the model is not all block weights in float32 or C cannot be built.
+    ``split_len``: positions per attention split (cpu_ops.SPLIT_LEN; tests vary it)."""
     config = model.config
-    if model.embed_weight.dtype != torch.float32 or kv_caches[0][0].dtype != torch.float32:
-        log.debug("no C decode step: it runs float32 only")
+    if model.embed_weight.dtype != torch.float32 or kv_caches[0][0].dtype not in KV_KINDS:
+        log.debug("no C decode step: it runs float32 models (16-bit KV caches allowed) only")
         return None
     layers = []
     for block, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
@@ -63,4 +69,5 @@ def native_decode_stack(
         eps=config.rms_norm_eps,
         scale=scale,
         cos_sin_cache=model.cos_sin_cache,
+        split_len=split_len,
     )

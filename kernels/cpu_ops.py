@@ -1,5 +1,6 @@
 """The CPU step's small ops in C (csrc/cpu_ops.c): RMSNorm, RoPE, KV write, paged attention (decode
-rows and short extends) and SiLU-and-multiply, float32 only.
+rows and short extends) and SiLU-and-multiply. Activations are float32; the KV cache may be
+float32, float16 or bfloat16 (rows rounded on store, widened to float32 on read).
 
 Each has the signature of its Triton twin in this package, and the same plain-torch reference
 checks it. They exist because at batch 1 a CPU decode step is hundreds of tiny torch ops whose
@@ -16,14 +17,14 @@ import torch
 from prefixrag.kernels._checks import check_gqa, check_kv_cache, check_rank
 from prefixrag.kernels.native_build import load_library
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _K = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _SIGNATURES = {
     "rms_norm": (None, [_P, _P, _P, _F, _P, _P, _I, _I]),
     "rope": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]),
-    "write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
+    "write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _K, _P, _I, _I, _I]),
     "paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F],
+        [_P, _I, _P, _P, _K, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I],
     ),
     "silu_mul": (None, [_P, _P, _I, _I]),
 }
@@ -51,6 +52,26 @@ def _rows(name: str, t: torch.Tensor) -> int:
     if not inner:
         raise ValueError(f"{name} must be contiguous within each row, got strides {t.stride()}")
     return t.stride(0)
+
+
+# the KV cache types of csrc/kv_rows.h
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Positions per attention split (csrc/paged_attention.h): a row of more positions is cut into
+# splits that threads take separately, then merged in order, so a long context's batch-1
+# decode uses every thread. The cut depends on a row's length alone: results are the same
+# bits whatever the thread count or batch. 256 keeps a split's partial merge cheap beside its
+# positions' reads (a multiple of the kernel's 32-position chunk).
+SPLIT_LEN = 256
+
+
+def kv_kind(cache: torch.Tensor) -> int:
+    """The C kernels' code for a KV cache's dtype; ValueError for other dtypes or devices."""
+    if cache.dtype not in KV_KINDS or cache.device.type != "cpu":
+        raise ValueError(
+            f"the KV cache must be a float32, float16 or bfloat16 CPU tensor, got {cache.dtype} "
+            f"on {cache.device}"
+        )
+    return KV_KINDS[cache.dtype]
 
 
 def rms_norm(
@@ -114,10 +135,12 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store k, v [T, Hkv, D] at ``slot_mapping`` [T] (int64) of the paged caches."""
+    """Store k, v [T, Hkv, D] (float32) at ``slot_mapping`` [T] (int64) of the paged caches,
+    rounded to nearest even when the caches are float16 or bfloat16 (as ``Tensor.to`` does)."""
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
+    for name, t in (("k", k), ("v", v)):
         _f32(name, t)
+    kind = kv_kind(k_cache)
     if k.shape != v.shape or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit the cache rows")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
@@ -128,11 +151,14 @@ def write_kv(
         return
     rc = build().write_kv(
         k.data_ptr(), _rows("k", k), v.data_ptr(), _rows("v", v), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), num_blocks * block_size,
+        v_cache.data_ptr(), kind, slot_mapping.contiguous().data_ptr(), num_blocks * block_size,
         k.shape[0], num_kv_heads * head_dim,
     )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"slots must lie in [0, {num_blocks * block_size})")
+        raise ValueError(
+            f"slots must lie in [0, {num_blocks * block_size}) "
+            f"(or this build lacks {k_cache.dtype})"
+        )
 
 
 def paged_attention_rows(
@@ -145,11 +171,14 @@ def paged_attention_rows(
     row_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    split_len: int = SPLIT_LEN,
 ) -> torch.Tensor:
     """Attention for the query rows ``row_ids`` (int64 [R]) of q [T, Hq, D]: row ``row_ids[i]``
     sees the first ``row_lens[i]`` cached positions of sequence ``row_seqs[i]`` (both int32
     [R]), read through its row of ``block_tables`` [S, max_blocks] (int32). Writes those rows of
     ``out`` [T, Hq, D] (a new tensor when None) and returns it; other rows are left as they are.
+    The caches may be float32, float16 or bfloat16; the math is float32. Each row's positions
+    run in splits of ``split_len`` (a multiple of 32) on separate threads (see SPLIT_LEN).
 
     Raises ValueError, reading nothing, if a row is out of range, sees no position or more than
     its table holds, or the table names a block the cache does not have.
@@ -157,7 +186,9 @@ def paged_attention_rows(
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     check_rank("q", q, 3)
     _f32("q", q)
-    _f32("k_cache", k_cache)
+    kind = kv_kind(k_cache)
+    if split_len < 32 or split_len % 32:
+        raise ValueError(f"split_len must be a positive multiple of 32, got {split_len}")
     num_q_rows, num_q_heads, _ = q.shape
     check_gqa(num_q_heads, num_kv_heads)
     if q.shape[2] != head_dim:
@@ -182,11 +213,13 @@ def paged_attention_rows(
         return out
     tables = block_tables.contiguous()
     rc = build().paged_attention(
-        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), kind, num_blocks,
         tables.data_ptr(), tables.shape[0], tables.shape[1], row_ids.contiguous().data_ptr(),
         row_seqs.contiguous().data_ptr(), row_lens.contiguous().data_ptr(), num_rows, num_q_rows,
-        out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale, split_len,
     )  # fmt: skip
+    if rc == -3:
+        raise MemoryError("paged attention could not allocate its split scratch")
     if rc == -2:
         raise ValueError(
             "every row must see >= 1 position that its block table holds, and the table's "
@@ -195,7 +228,8 @@ def paged_attention_rows(
     if rc != 0:
         raise ValueError(
             f"paged attention supports query groups up to 16 and head_dim up to 256, "
-            f"got {num_q_heads // num_kv_heads} and {head_dim}"
+            f"got {num_q_heads // num_kv_heads} and {head_dim} "
+            f"(or this build lacks {k_cache.dtype})"
         )
     return out
 
@@ -207,6 +241,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    split_len: int = SPLIT_LEN,
 ) -> torch.Tensor:
     """One query token per sequence, q [B, Hq, D], against its first ``seq_lens[b]`` (int32)
     cached positions, read through ``block_tables`` [B, max_blocks] (int32) -> [B, Hq, D]."""
@@ -215,7 +250,7 @@ def paged_decode_attention(
         raise ValueError(f"seq_lens must be int32 [{batch}]")
     rows = torch.arange(batch)
     return paged_attention_rows(
-        q, k_cache, v_cache, block_tables, rows, rows.int(), seq_lens, scale
+        q, k_cache, v_cache, block_tables, rows, rows.int(), seq_lens, scale, split_len=split_len
     )
 
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from prefixrag.kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
+from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
 from prefixrag.kernels.native_build import load_library
 
-# Decode batches past this many rows are better served by the GEMM path.
+# Decode batches past this many rows are better served by the GEMM path (csrc/decode_step.c
+# has the same bound).
 MAX_ROWS = 16
 _MAX_GROUP, _MAX_HEAD_DIM = 16, 256
 
@@ -54,7 +56,10 @@ class _Shape(ctypes.Structure):
         for name in (
             "hidden", "heads", "kv_heads", "head_dim", "inter", "bs", "num_blocks", "max_blocks"
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+    ] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("kv_kind", ctypes.c_int32), ("split_len", ctypes.c_int32),
+    ]  # fmt: skip
 
 
 class _Scratch(ctypes.Structure):
@@ -78,7 +83,8 @@ def build() -> ctypes.CDLL:
 
 @dataclass(slots=True)
 class DecodeLayer:
-    """One layer's weights and KV cache as the C step reads them (all float32, on CPU)."""
+    """One layer's weights and KV cache as the C step reads them (on CPU; float32, but for the
+    KV cache, which may be float16 or bfloat16 too)."""
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
@@ -113,7 +119,9 @@ class DecodeStack:
     """A decoder stack wired for :func:`decode_step`; it keeps every tensor it points at alive.
 
     ``cos_sin_cache`` [P, D] holds cat(cos, sin) per position (the model's RoPE table).
-    Raises ValueError for shapes the C step does not take.
+    Raises ValueError for shapes the C step does not take. Attention runs each row's positions
+    in splits of ``split_len`` (cpu_ops.SPLIT_LEN: the same cut as the per-op C attention, so
+    both give a sequence the same bits).
     """
 
     def __init__(
@@ -126,6 +134,7 @@ class DecodeStack:
         eps: float,
         scale: float,
         cos_sin_cache: torch.Tensor,
+        split_len: int = SPLIT_LEN,
     ) -> None:
         if not layers:
             raise ValueError("a decode stack needs at least one layer")
@@ -137,13 +146,18 @@ class DecodeStack:
         self._cos_sin = cos_sin_cache
         if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[1:] != (head_dim,):
             raise ValueError(f"cos_sin_cache must be float32 [P, {head_dim}]")
+        if split_len < 32 or split_len % 32:
+            raise ValueError(f"split_len must be a positive multiple of 32, got {split_len}")
+        kv_dtype = layers[0].k_cache.dtype
+        if kv_dtype not in KV_KINDS:
+            raise ValueError(f"the KV cache must be float32, float16 or bfloat16, not {kv_dtype}")
         qkv_width = (heads + 2 * kv_heads) * head_dim
         self._layers = (_Layer * len(layers))()
         for i, ly in enumerate(layers):
             for cache in (ly.k_cache, ly.v_cache):
                 want = (num_blocks, bs, kv_heads, head_dim)
-                if cache.dtype != torch.float32 or tuple(cache.shape) != want:
-                    raise ValueError(f"layer {i}: KV cache must be float32 {want}")
+                if cache.dtype != kv_dtype or tuple(cache.shape) != want:
+                    raise ValueError(f"layer {i}: KV cache must be {kv_dtype} {want}")
                 if not cache.is_contiguous():
                     raise ValueError(f"layer {i}: KV cache must be contiguous")
             self._layers[i] = _Layer(
@@ -162,6 +176,7 @@ class DecodeStack:
         self.heads, self.head_dim = heads, head_dim
         self._dims = (hidden, heads, kv_heads, head_dim, inter, bs, num_blocks)
         self._eps, self._scale = eps, scale
+        self._kv_kind, self._split_len = KV_KINDS[kv_dtype], split_len
         self._scratch: dict[int, tuple[_Scratch, tuple[torch.Tensor, ...]]] = {}
 
     def _scratch_for(self, rows: int) -> _Scratch:
@@ -204,7 +219,9 @@ class DecodeStack:
         ):
             raise ValueError(f"block_tables must be int32 [{rows}, max_blocks]")
         tables = block_tables.contiguous()
-        shape = _Shape(*self._dims, tables.shape[1], self._eps, self._scale)
+        shape = _Shape(
+            *self._dims, tables.shape[1], self._eps, self._scale, self._kv_kind, self._split_len
+        )
         rc = build().decode_step(
             ctypes.byref(shape), self._layers, len(self._layers), x.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
@@ -212,6 +229,8 @@ class DecodeStack:
         )  # fmt: skip
         if rc == -2:
             raise ValueError("a position, KV slot, sequence length or block id is out of range")
+        if rc == -3:
+            raise MemoryError("decode_step could not allocate its attention scratch")
         if rc != 0:
-            raise ValueError("decode_step rejected the stack's shapes")
+            raise ValueError("decode_step rejected the stack's shapes (or its KV cache dtype)")
         return x

@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # KV cache storage; auto: float16 under a float32 model on CPU (engine/config.py)
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
     # chunk KV reuse: cached source bodies placed at new positions (off: exact prefixes only)
     chunk_reuse: bool = True

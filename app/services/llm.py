@@ -31,6 +31,7 @@ def engine_config_from_settings(settings: Settings) -> EngineConfig:
         enable_prefix_cache=settings.prefix_cache,
         attention_backend=settings.attention_backend,
         dtype=settings.dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
         weight_quant=settings.weight_quant,
         cache_dir=str(settings.cache_dir / "models"),
         enable_chunk_reuse=settings.chunk_reuse,

@@ -151,8 +151,9 @@ class ScatteredAttention:
         # Whole blocks through index_select: one contiguous copy per block, where a per-slot
         # gather (or advanced indexing) is far slower on CPU. Each layer has its own cache, so
         # this copy is per layer; only the block list and the mask are shared.
-        k_seq = k_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim)
-        v_seq = v_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim)
+        # (a 16-bit cache under a float32 model is widened: SDPA runs in q's dtype)
+        k_seq = k_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim).to(q.dtype)
+        v_seq = v_cache.index_select(0, plan.blocks).view(-1, num_kv_heads, head_dim).to(q.dtype)
         q_heads = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, N, D]
         k_heads = k_seq.transpose(0, 1).unsqueeze(0)  # [1, Hkv, slots, D]
         v_heads = v_seq.transpose(0, 1).unsqueeze(0)

@@ -1,5 +1,9 @@
 """Extends (prefill chunks, possibly after a cached prefix) through SDPA over whole cache blocks:
-the path the torch and C backends share."""
+the path the torch and C backends share.
+
+A 16-bit cache under a float32 model is widened to float32 as its blocks are gathered (SDPA runs
+in q's dtype), and a fresh prefill attends over its own K/V rounded to the cache's dtype, as a
+later step reading them from the cache does: cached and uncached prompts see the same keys."""
 
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ def sdpa_gqa(
 ) -> torch.Tensor:
     """SDPA over [..., H, L, D] tensors where K/V may have fewer heads than q (GQA)."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **kwargs)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` would give it back: rounded, in x's own dtype."""
+    return x if cache_dtype == x.dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def plan_extends(meta: AttentionMetadata, block_size: int) -> list[ExtendEntry]:
@@ -60,16 +69,16 @@ def extend_sdpa(
         if blocks is None:
             o = sdpa_gqa(
                 q_seq,
-                k[start:end].transpose(0, 1).unsqueeze(0),
-                v[start:end].transpose(0, 1).unsqueeze(0),
+                as_cached(k[start:end], k_cache.dtype).transpose(0, 1).unsqueeze(0),
+                as_cached(v[start:end], v_cache.dtype).transpose(0, 1).unsqueeze(0),
                 scale=scale,
                 is_causal=True,
             )
             out[start:end] = o[0].transpose(0, 1)
             continue
         # whole blocks, as in decode: one contiguous copy each instead of one per slot
-        k_seq = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
-        v_seq = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        k_seq = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim).to(q.dtype)
+        v_seq = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim).to(q.dtype)
         k_heads = k_seq.transpose(0, 1).unsqueeze(0)
         v_heads = v_seq.transpose(0, 1).unsqueeze(0)
         for lo, hi, keys, mask in groups:

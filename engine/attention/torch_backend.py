@@ -1,4 +1,5 @@
-"""The torch backend: plain torch and SDPA over the paged cache, for any dtype on CPU."""
+"""The torch backend: plain torch and SDPA over the paged cache, for any dtype on CPU (the cache
+may be 16-bit under a float32 model)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def _decode_sdpa(
     # is ~block_size times shorter. index_select, not k_cache[blocks]: advanced indexing is
     # orders of magnitude slower on CPU. Positions past a sequence's length are masked.
     blocks = plan.decode_blocks.view(-1)
-    k_seq = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v_seq = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # A 16-bit cache under a float32 model is widened here: SDPA runs in q's dtype.
+    k_seq = k_cache.index_select(0, blocks).to(q.dtype)
+    v_seq = v_cache.index_select(0, blocks).to(q.dtype)
+    k_seq = k_seq.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v_seq = v_seq.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q_g, k_seq, v_seq, attn_mask=plan.decode_mask, scale=scale)
     return o.reshape(batch, num_heads, head_dim)
 

@@ -4,7 +4,8 @@
  * microseconds of dispatch whatever its size; these loops do the same arithmetic in one pass:
  *   rms_norm:   optional residual add, then x * rsqrt(mean(x^2) + eps) * weight;
  *   rope:       rotate-half RoPE of q and k in place, cos/sin read from the cache by position;
- *   write_kv:   this step's k and v rows into their slots of the paged cache;
+ *   write_kv:   this step's k and v rows into their slots of the paged cache (float32, or
+ *               rounded to its float16 / bfloat16);
  *   paged_attention: query rows against their sequences' cached K/V, read in place through
  *               the block tables (decode rows, and short extends after a cached prefix);
  *   silu_mul:   silu(gate) * up of a fused gate/up output.
@@ -13,6 +14,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "paged_attention.h"
@@ -43,16 +45,18 @@ int rope(float *q, int64_t q_stride, float *k, int64_t k_stride, const int64_t *
     return 0;
 }
 
-/* k, v: [T, width] rows k_stride / v_stride apart; caches: [num_slots, width], width = hkv * d.
- * Returns -1, writing nothing, if a slot is outside [0, num_slots). */
-int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
-             float *v_cache, const int64_t *slots, int64_t num_slots, int64_t tokens,
-             int64_t width) {
+/* k, v: [T, width] rows k_stride / v_stride apart; caches: [num_slots, width], width = hkv * d,
+ * of kv_kind (kv_rows.h), rounded on store. Returns -1, writing nothing, if a slot is outside
+ * [0, num_slots) or the kind is not supported. */
+int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, void *k_cache,
+             void *v_cache, int32_t kv_kind, const int64_t *slots, int64_t num_slots,
+             int64_t tokens, int64_t width) {
+    if (!kv_kind_ok(kv_kind)) return -1;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * width, k + t * k_stride, (size_t)width * sizeof(float));
-        memcpy(v_cache + slots[t] * width, v + t * v_stride, (size_t)width * sizeof(float));
+        kv_store(k_cache, kv_kind, slots[t] * width, k + t * k_stride, width);
+        kv_store(v_cache, kv_kind, slots[t] * width, v + t * v_stride, width);
     }
     return 0;
 }
@@ -61,16 +65,21 @@ int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
  * apart) sees the first row_lens[i] positions of sequence row_seqs[i], whose block table is row
  * row_seqs[i] of block_tables (int32 [num_seqs, max_blocks]); out[r_i] ([T, hq, d], contiguous)
  * gets the result. A decode row sees its whole sequence; an extend row at position p, p + 1.
- * Each (row, kv head) pair is one task. Returns -1 for unsupported shapes, -2 if a row is out of
- * range, sees no position or more than its table holds, or its table names a block outside
- * [0, num_blocks); nothing is read then. */
-int paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                    int64_t num_blocks, const int32_t *block_tables, int64_t num_seqs,
-                    int64_t max_blocks, const int64_t *row_ids, const int32_t *row_seqs,
-                    const int32_t *row_lens, int64_t num_rows, int64_t num_q_rows, float *out,
-                    int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale) {
+ * The caches are of kv_kind (kv_rows.h). Each (row, split of split_len positions, kv head) is
+ * one task (paged_attention.h), then each (row, kv head) merges its splits. Returns -1 for
+ * unsupported shapes or kinds, -2 if a row is out of range, sees no position or more than its
+ * table holds, or its table names a block outside [0, num_blocks); nothing is read then; -3
+ * if scratch memory could not be had. */
+int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                    int32_t kv_kind, int64_t num_blocks, const int32_t *block_tables,
+                    int64_t num_seqs, int64_t max_blocks, const int64_t *row_ids,
+                    const int32_t *row_seqs, const int32_t *row_lens, int64_t num_rows,
+                    int64_t num_q_rows, float *out, int64_t hq, int64_t hkv, int64_t d,
+                    int64_t bs, float scale, int64_t split_len) {
     const int64_t group = hq / hkv;
-    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM) return -1;
+    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM || !kv_kind_ok(kv_kind) ||
+        split_len < CHUNK || split_len % CHUNK)
+        return -1;
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t len = row_lens[i], used = (len + bs - 1) / bs, s = row_seqs[i];
         if (row_ids[i] < 0 || row_ids[i] >= num_q_rows || s < 0 || s >= num_seqs || len < 1 ||
@@ -81,12 +90,38 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_cache, cons
             if (blk < 0 || blk >= num_blocks) return -2;
         }
     }
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t i = 0; i < num_rows; i++)
-        for (int64_t g = 0; g < hkv; g++)
-            attend_group(q + row_ids[i] * q_stride + g * group * d, group, k_cache, v_cache, hkv,
-                         g, d, bs, block_tables + (int64_t)row_seqs[i] * max_blocks, row_lens[i],
-                         scale, out + (row_ids[i] * hq + g * group) * d);
+    int64_t *off = malloc((size_t)(num_rows + 1) * sizeof(int64_t));
+    if (!off) return -3;
+    const int64_t total = split_offsets(row_lens, num_rows, split_len, off);
+    const int64_t part_size = group * partial_width(d); /* floats per (split, kv head) */
+    float *parts = malloc((size_t)(total * hkv * part_size) * sizeof(float));
+    if (!parts) {
+        free(off);
+        return -3;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < total * hkv; t++) {
+            /* tasks run split by split (kv heads innermost); a row's partials are kept kv
+             * head by kv head, each head's splits side by side for its merge */
+            const int64_t u = t / hkv, g = t % hkv, i = split_row(off, num_rows, u);
+            const int64_t s = u - off[i], splits = off[i + 1] - off[i];
+            const int64_t begin = s * split_len;
+            const int64_t end = begin + split_len < row_lens[i] ? begin + split_len : row_lens[i];
+            attend_range(q + row_ids[i] * q_stride + g * group * d, group, k_cache, v_cache,
+                         kv_kind, hkv, g, d, bs, block_tables + (int64_t)row_seqs[i] * max_blocks,
+                         begin, end, scale, parts + (off[i] * hkv + g * splits + s) * part_size);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_rows * hkv; t++) {
+            const int64_t i = t / hkv, g = t % hkv, splits = off[i + 1] - off[i];
+            merge_splits(parts + (off[i] * hkv + g * splits) * part_size, splits, group, d,
+                         out + (row_ids[i] * hq + g * group) * d);
+        }
+    }
+    free(parts);
+    free(off);
     return 0;
 }
 

@@ -3,8 +3,10 @@
  * At batch 1 the model's arithmetic is small and its weights are small (GGUF blocks, see
  * block_quant.h); what a step of torch ops costs on CPU is mostly dispatch: hundreds of ops a
  * few microseconds each. Here one OpenMP region runs every layer: threads split each matmul's
- * output rows and each attention's (sequence, kv head) pairs, and meet at a barrier between
- * phases; the small ops run on one thread, their cost being a few hundred floats.
+ * output rows and each attention's (sequence, split of positions, kv head) tasks, and meet at a
+ * barrier between phases; the small ops run on one thread, their cost being a few hundred
+ * floats. The KV cache may be float32, float16 or bfloat16 (kv_rows.h): at a long context its
+ * reads rival the weights', and 16 bits halve them.
  *
  * Per layer, for B sequences with one new token each (x and residual [B, H]):
  *   residual += x (the first layer: residual = x); h = rmsnorm(residual) * input_norm
@@ -16,10 +18,13 @@
  * The arithmetic mirrors the torch model op for op in float32.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "block_quant.h"
 #include "paged_attention.h"
 #include "row_ops.h"
+
+#define MAX_ROWS 16 /* kernels/decode_step.py's MAX_ROWS */
 
 typedef struct {
     int32_t kind; /* 4 (q4), 8 (q8), 16 (q8_16) or 9 (q8m), see block_quant.h */
@@ -32,12 +37,14 @@ typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     const float *qkv_bias, *o_bias;      /* NULL when absent */
     bq_weight qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_blocks, bs, hkv, d] */
+    void *k_cache, *v_cache; /* [num_blocks, bs, hkv, d] of the shape's kv_kind */
 } decode_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, bs, num_blocks, max_blocks;
     float eps, scale;
+    int32_t kv_kind;   /* the caches' type (kv_rows.h) */
+    int32_t split_len; /* positions per attention split (paged_attention.h) */
 } decode_shape;
 
 /* Scratch of B rows each: h [H], qkv [(hq + 2 hkv) d], attn [hq d], gate_up [2 I], act [I]. */
@@ -64,19 +71,34 @@ static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv
             for (int64_t i = 0; i < width; i++) row[i] += ly->qkv_bias[i];
         const float *cs = cos_sin + positions[r] * d;
         for (int64_t h = 0; h < sh->heads + sh->kv_heads; h++) rotate_half(row + h * d, cs, d / 2);
-        memcpy(ly->k_cache + slots[r] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
-        memcpy(ly->v_cache + slots[r] * kv_size, row + q_size + kv_size,
-               (size_t)kv_size * sizeof(float));
+        kv_store(ly->k_cache, sh->kv_kind, slots[r] * kv_size, row + q_size, kv_size);
+        kv_store(ly->v_cache, sh->kv_kind, slots[r] * kv_size, row + q_size + kv_size, kv_size);
     }
 }
 
-/* One (sequence, kv head) task: its query group against every cached position. */
-static void attend(const decode_shape *sh, const decode_layer *ly, const float *qkv, float *attn,
-                   int64_t b, int64_t g, const int32_t *table, int64_t len) {
-    const int64_t d = sh->head_dim, group = sh->heads / sh->kv_heads;
-    const int64_t width = (sh->heads + 2 * sh->kv_heads) * d;
-    attend_group(qkv + b * width + g * group * d, group, ly->k_cache, ly->v_cache, sh->kv_heads,
-                 g, d, sh->bs, table, len, sh->scale, attn + b * sh->heads * d + g * group * d);
+/* Task t of a layer's attention: split t / hkv of every row's splits (off, see
+ * paged_attention.h), kv head t % hkv; its partial goes beside the head's other splits. */
+static void attend_task(const decode_shape *sh, const decode_layer *ly, const float *qkv,
+                        const int64_t *off, int64_t rows, const int32_t *block_tables,
+                        const int32_t *seq_lens, float *parts, int64_t t) {
+    const int64_t d = sh->head_dim, hkv = sh->kv_heads, group = sh->heads / hkv;
+    const int64_t width = (sh->heads + 2 * hkv) * d, part_size = group * partial_width(d);
+    const int64_t u = t / hkv, g = t % hkv, b = split_row(off, rows, u);
+    const int64_t s = u - off[b], splits = off[b + 1] - off[b];
+    const int64_t begin = s * sh->split_len;
+    const int64_t end = begin + sh->split_len < seq_lens[b] ? begin + sh->split_len : seq_lens[b];
+    attend_range(qkv + b * width + g * group * d, group, ly->k_cache, ly->v_cache, sh->kv_kind,
+                 hkv, g, d, sh->bs, block_tables + b * sh->max_blocks, begin, end, sh->scale,
+                 parts + (off[b] * hkv + g * splits + s) * part_size);
+}
+
+/* Merge task t: row t / hkv, kv head t % hkv, its splits into the attention output. */
+static void merge_task(const decode_shape *sh, const int64_t *off, const float *parts,
+                       float *attn, int64_t t) {
+    const int64_t d = sh->head_dim, hkv = sh->kv_heads, group = sh->heads / hkv;
+    const int64_t b = t / hkv, g = t % hkv, splits = off[b + 1] - off[b];
+    merge_splits(parts + (off[b] * hkv + g * splits) * group * partial_width(d), splits, group,
+                 d, attn + b * sh->heads * d + g * group * d);
 }
 
 static int valid_weight(const bq_weight *w, int64_t k) {
@@ -85,14 +107,17 @@ static int valid_weight(const bq_weight *w, int64_t k) {
 
 /* x [B, H]: the token embeddings in, the hidden states out. positions, slots int64 [B];
  * block_tables int32 [B, max_blocks]; seq_lens int32 [B] (the new token included).
- * Returns 0; -1 for a shape it does not support; -2, touching nothing, if a position, slot,
- * sequence length or block id is out of range. */
+ * Returns 0; -1 for a shape or KV kind it does not support; -2, touching nothing, if a position,
+ * slot, sequence length or block id is out of range; -3 if scratch memory could not be had. */
 int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_layers, float *x,
                 int64_t rows, const int64_t *positions, const int64_t *slots,
                 const int32_t *block_tables, const int32_t *seq_lens, const float *cos_sin,
                 int64_t num_positions, const decode_scratch *sc) {
     const int64_t d = sh->head_dim, hq = sh->heads, hkv = sh->kv_heads, hidden = sh->hidden;
-    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2) return -1;
+    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 ||
+        !kv_kind_ok(sh->kv_kind) || sh->split_len < CHUNK || sh->split_len % CHUNK || rows < 1 ||
+        rows > MAX_ROWS)
+        return -1;
     for (int64_t i = 0; i < num_layers; i++) {
         const decode_layer *ly = layers + i;
         if (!valid_weight(&ly->qkv, hidden) || !valid_weight(&ly->o, hq * d) ||
@@ -110,6 +135,10 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
         }
     }
     const int64_t qkv_width = (hq + 2 * hkv) * d;
+    int64_t off[MAX_ROWS + 1];
+    const int64_t num_tasks = split_offsets(seq_lens, rows, sh->split_len, off) * hkv;
+    float *parts = malloc((size_t)(num_tasks * (hq / hkv) * partial_width(d)) * sizeof(float));
+    if (!parts) return -3;
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
@@ -121,11 +150,11 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
                           qkv_width, hidden, w);
 #pragma omp single
             place_qkv(sh, ly, sc->qkv, rows, positions, slots, cos_sin);
-#pragma omp for schedule(dynamic, 1) collapse(2)
-            for (int64_t b = 0; b < rows; b++)
-                for (int64_t g = 0; g < hkv; g++)
-                    attend(sh, ly, sc->qkv, sc->attn, b, g, block_tables + b * sh->max_blocks,
-                           seq_lens[b]);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < num_tasks; t++)
+                attend_task(sh, ly, sc->qkv, off, rows, block_tables, seq_lens, parts, t);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows * hkv; t++) merge_task(sh, off, parts, sc->attn, t);
             bq_matmul_for(ly->o.kind, sc->attn, ly->o.codes, ly->o.d, ly->o.m, x, rows, hidden,
                           hq * d, w);
 #pragma omp single
@@ -150,5 +179,6 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < rows * hidden; j++) x[j] += sc->residual[j];
     }
+    free(parts);
     return 0;
 }

@@ -49,7 +49,7 @@ def _warned(caplog: pytest.LogCaptureFixture) -> bool:
     return any(r.levelno == logging.WARNING and r.name == LOGGER for r in caplog.records)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_round_trip_survives_restart(tmp_path: Path, dtype: torch.dtype) -> None:
     k, v = _kv(dtype)
     tier = _tier(tmp_path)

@@ -109,10 +109,15 @@ def test_placed_keys_equal_a_prefill_at_the_new_position(full_recompute: LLMEngi
     runner.run([StepItem(ids2, 0, blocks2)])
     fresh_k, fresh_v = read_entry_kv(runner.kv_pool, blocks2, len(ids2))
     body = slice(rhine2.start, rhine2.end)
-    torch.testing.assert_close(placed_k[0, body], fresh_k[0, body], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(placed_v[0, body], fresh_v[0, body], atol=1e-5, rtol=1e-5)
+    # a float32 cache holds them up to float32 rounding; a 16-bit one (the CPU default) rounds
+    # the placed keys twice (computed, then re-rotated) and the fresh ones once: a few ulps
+    k_tol, v_tol, differ = (
+        (1e-4, 1e-5, 1e-3) if runner.kv_dtype == torch.float32 else (2e-2, 0, 5e-2)
+    )
+    torch.testing.assert_close(placed_k[0, body], fresh_k[0, body], atol=k_tol, rtol=k_tol)
+    torch.testing.assert_close(placed_v[0, body], fresh_v[0, body], atol=v_tol, rtol=v_tol)
     # deeper layers saw other context at the new place: they differ (that is why we blend)
-    assert not torch.allclose(placed_k[-1, body], fresh_k[-1, body], atol=1e-3)
+    assert not torch.allclose(placed_k[-1, body], fresh_k[-1, body], atol=differ)
 
 
 def test_blending_at_full_recompute_equals_plain_prefill(full_recompute: LLMEngine) -> None:
