@@ -27,6 +27,7 @@ from prefixrag.app.prompt.builder import BuiltPrompt, PromptBuilder, Source, Tur
 from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
+from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
@@ -44,6 +45,7 @@ class QAPipeline:
 
     sessions: sessionmaker[Session]
     retriever: Retriever
+    scopes: ScopeCache
     llm: LLMService
     prompts: PromptBuilder
     settings: Settings
@@ -323,6 +325,7 @@ def _retrieve(
     return search(
         session=session,
         retriever=pipeline.retriever,
+        scopes=pipeline.scopes,
         query=question,
         top_k=top_k,
         candidates=candidates,
