@@ -5,7 +5,8 @@ gzipped READMEs, NEWS and changelogs), files in a seeded shuffle, cut by the ser
 (128 tokens, 24 overlap: the default settings), exact duplicate chunks dropped (licence texts
 repeat across packages), and embedded once with the packaged all-MiniLM-L6-v2.
 
-Queries: chunks held out of the base, cut to their first 12 words (question-length real text),
+Queries: real chunks not in the base, at most 2 per file, from the end of the shuffle backwards
+(so they spread over ~250 files), cut to their first 12 words (question-length real text),
 embedded with the same model.
 
 Variants (to reach 1M without embedding 1M texts on 2 shared cores): every vector beyond the base
@@ -36,6 +37,7 @@ DOC_ROOT = Path("/usr/share/doc")
 CACHE = Path(__file__).parent / ".cache"
 CHUNK_TOKENS, CHUNK_OVERLAP = 128, 24
 QUERY_WORDS = 12
+QUERIES_PER_FILE = 2
 NEIGHBOURS = 20
 MIX_WEIGHTS = (0.55, 0.95)
 _TEXT_TYPES = {".html": "text/html", ".htm": "text/html", ".md": "text/markdown"}
@@ -90,33 +92,63 @@ def real_chunks(embedder: Embedder, num_chunks: int) -> list[str]:
 
 
 def base_set(embedder: Embedder, num_base: int, num_queries: int) -> dict:
-    """Base texts and vectors, and held-out query texts and vectors; computed once, then cached.
+    """Base texts and vectors, and query texts and vectors; each computed once, then cached.
 
-    Also says how long embedding took (chunks per second), measured when first computed.
+    Also says how fast the base embedded (chunks per second), measured when first computed.
     """
-    path = CACHE / f"ann_base_{num_base}_{num_queries}.npz"
-    meta_path = path.with_suffix(".json")
-    if path.exists() and meta_path.exists():
-        arrays = np.load(path)
-        meta = json.loads(meta_path.read_text())
-        return {**meta, "vectors": arrays["vectors"], "query_vectors": arrays["query_vectors"]}
-    texts = real_chunks(embedder, num_base + num_queries)
-    base_texts, held_out = texts[:num_base], texts[num_base:]
-    queries = [" ".join(t.split()[:QUERY_WORDS]) for t in held_out]
-    t0 = time.perf_counter()
-    vectors = embedder.encode(base_texts, show_progress=True)
-    embed_s = time.perf_counter() - t0
-    query_vectors = embedder.encode(queries)
-    meta = {
-        "texts": base_texts,
-        "queries": queries,
-        "embed_s": embed_s,
-        "embed_chunks_per_s": num_base / embed_s,
-    }
+    base = _cached(f"ann_base_{num_base}", lambda: _embed_base(embedder, num_base))
+    queries = _cached(
+        f"ann_queries_{num_base}_{num_queries}",
+        lambda: _embed_queries(embedder, num_base, num_queries),
+    )
+    return {**base, **queries}
+
+
+def _cached(name: str, compute) -> dict:  # type: ignore[no-untyped-def]
+    arrays_path, meta_path = CACHE / f"{name}.npz", CACHE / f"{name}.json"
+    if arrays_path.exists() and meta_path.exists():
+        return {**json.loads(meta_path.read_text()), **np.load(arrays_path)}
+    meta, arrays = compute()
     CACHE.mkdir(parents=True, exist_ok=True)
-    np.savez(path, vectors=vectors, query_vectors=query_vectors)
+    np.savez(arrays_path, **arrays)
     meta_path.write_text(json.dumps(meta))
-    return {**meta, "vectors": vectors, "query_vectors": query_vectors}
+    return {**meta, **arrays}
+
+
+def _embed_base(embedder: Embedder, num_base: int) -> tuple[dict, dict]:
+    texts = real_chunks(embedder, num_base)
+    t0 = time.perf_counter()
+    vectors = embedder.encode(texts, show_progress=True)
+    embed_s = time.perf_counter() - t0
+    meta = {"texts": texts, "embed_s": embed_s, "embed_chunks_per_s": num_base / embed_s}
+    return meta, {"vectors": vectors}
+
+
+def _embed_queries(embedder: Embedder, num_base: int, num_queries: int) -> tuple[dict, dict]:
+    texts = query_chunks(embedder, set(_cached_base_texts(num_base)), num_queries)
+    queries = [" ".join(t.split()[:QUERY_WORDS]) for t in texts]
+    return {"queries": queries}, {"query_vectors": embedder.encode(queries)}
+
+
+def _cached_base_texts(num_base: int) -> list[str]:
+    return json.loads((CACHE / f"ann_base_{num_base}.json").read_text())["texts"]
+
+
+def query_chunks(embedder: Embedder, base: set[str], num: int) -> list[str]:
+    """Real chunks none of which is in `base`: at most QUERIES_PER_FILE per file, from the end
+    of the shuffle backwards (the base took files from its start), so they spread over files."""
+    chunker = Chunker(embedder.count_tokens, CHUNK_TOKENS, CHUNK_OVERLAP)
+    out: list[str] = []
+    for path in reversed(doc_files()):
+        try:
+            parsed = parse_document(_read(path), _media_type(path) or "text/plain")
+        except (DocumentParseError, OSError, EOFError, gzip.BadGzipFile):
+            continue
+        chunks = [c.text for c in chunker.split(parsed) if len(c.text.split()) >= 2 * QUERY_WORDS]
+        out += [t for t in chunks if t not in base][:QUERIES_PER_FILE]
+        if len(out) >= num:
+            return out[:num]
+    raise RuntimeError(f"only {len(out)} query chunks found, {num} wanted")
 
 
 def nearest_base_neighbours(vectors: np.ndarray, k: int = NEIGHBOURS) -> np.ndarray:
