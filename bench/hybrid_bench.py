@@ -1,6 +1,6 @@
 """Hybrid search at scale, through the service's own search path, split into its parts.
 
-    python -m bench.hybrid_bench [--total 1000000] [--base 20000] [--nprobe 32]
+    python -m bench.hybrid_bench [--total 1000000] [--base 20000] [--nprobe 64]
 
 A SQLite service database (the alembic schema) holds `--total` ready chunks of two tenants
 (documents of 100 chunks, alternating; collection "small" of tenant "a" holds 1%), each chunk's
@@ -179,7 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total", type=int, default=1_000_000)
     parser.add_argument("--base", type=int, default=20_000)
-    parser.add_argument("--nprobe", type=int, default=32)
+    parser.add_argument("--nprobe", type=int, default=64)
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--tmp", default=None, help="where the database goes (default: a tmp dir)")
     args = parser.parse_args()
