@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.errors import NotReadyError
@@ -80,6 +80,7 @@ def load_index(state: AppState) -> str | None:
     from prefixrag.app.services.index_sync import fail_interrupted, reconcile_index
     from prefixrag.app.services.ingest import IngestService
     from prefixrag.app.services.lexical import DatabaseLexicalIndex
+    from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.analyzer import Analyzer
     from prefixrag.retrieval.chunking import Chunker
 
@@ -97,11 +98,13 @@ def load_index(state: AppState) -> str | None:
         lexical = DatabaseLexicalIndex(state.sessions, analyzer)
     chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
     state.index = index
+    state.scopes = ScopeCache()
     state.ingest = IngestService(
         state.sessions,
         state.embedder,
         index,
         chunker,
+        scopes=state.scopes,
         max_upload_bytes=settings.max_upload_bytes,
         num_workers=settings.ingest_workers,
         queue_size=settings.ingest_queue_size,
@@ -144,27 +147,29 @@ def open_index(state: AppState) -> VectorIndex:
     for leftover in remove_partial_saves(path):
         logger.warning("deleted %s, left by an index save that did not finish", leftover)
     dim = state.embedder.dim
+    options = index_options(settings)
     if path.exists():
         try:
-            return VectorIndex.open(
-                path,
-                dim,
-                kind=settings.index_kind,
-                nlist=settings.index_nlist,
-                nprobe=settings.index_nprobe,
-                use_gpu=settings.index_use_gpu,
-            )
+            return VectorIndex.open(path, dim, **options)
         except Exception:
             # The reconcile step that follows rebuilds it from the database.
             logger.exception("cannot read the vector index at %s; starting a new one", path)
-    return VectorIndex(
-        dim,
-        path=path,
-        kind=settings.index_kind,
-        nlist=settings.index_nlist,
-        nprobe=settings.index_nprobe,
-        use_gpu=settings.index_use_gpu,
-    )
+    return VectorIndex(dim, path=path, **options)
+
+
+def index_options(settings: Settings) -> dict[str, Any]:
+    """VectorIndex arguments for the settings. kind "auto" is an IVF index that stays flat
+    (exact) until it holds index_ann_min_vectors, trains then, and adds to its lists after."""
+    options: dict[str, Any] = {
+        "kind": settings.index_kind,
+        "nlist": settings.index_nlist,
+        "nprobe": settings.index_nprobe,
+        "use_gpu": settings.index_use_gpu,
+    }
+    if settings.index_kind == "auto":
+        options["kind"] = "ivf"
+        options["train_size"] = max(settings.index_ann_min_vectors, settings.index_nlist)
+    return options
 
 
 def load_reranker(state: AppState) -> str | None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from prefixrag.app.prompt.builder import PromptBuilder
     from prefixrag.app.services.ingest import IngestService
     from prefixrag.app.services.llm import LLMService
+    from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.embedder import Embedder
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
@@ -71,6 +72,7 @@ class AppState:
         self.reranker = reranker
         self.index: VectorIndex | None = None
         self.retriever: Retriever | None = None
+        self.scopes: ScopeCache | None = None  # searches' allowed chunk ids, kept by ingest
         self.ingest: IngestService | None = None
         self.llm: LLMService | None = None
         self.prompts: PromptBuilder | None = None
@@ -154,6 +156,7 @@ class AppState:
         if (
             self.sessions is None
             or self.retriever is None
+            or self.scopes is None
             or self.llm is None
             or self.prompts is None
         ):
@@ -161,6 +164,7 @@ class AppState:
         return QAPipeline(
             sessions=self.sessions,
             retriever=self.retriever,
+            scopes=self.scopes,
             llm=self.llm,
             prompts=self.prompts,
             settings=self.settings,

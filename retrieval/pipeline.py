@@ -11,6 +11,7 @@ import numpy as np
 
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.fusion import RRF_K, rrf_scores
+from prefixrag.retrieval.id_bitmap import IdBitmap
 from prefixrag.retrieval.lexical import LexicalSearch
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
@@ -102,7 +103,7 @@ class Retriever:
         *,
         top_k: int,
         candidates: int,
-        allowed_ids: np.ndarray | None,
+        allowed_ids: np.ndarray | IdBitmap | None,
         load_passages: PassageLoader[P],
         lexical_scope: Any = None,
     ) -> RetrievalResult[P]:

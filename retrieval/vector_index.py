@@ -20,12 +20,14 @@ from prefixrag.retrieval.faiss_internals import (
     ivf_ids,
     stored_vectors,
 )
+from prefixrag.retrieval.id_bitmap import IdBitmap
 
 logger = logging.getLogger(__name__)
 
 INDEX_KINDS = ("flat", "ivf", "hnsw")
 _HNSW_M = 32
 _HNSW_EF_SEARCH = 64
+_TRAIN_POINTS_PER_LIST = 64
 _PAD_SCORE = -np.inf
 
 
@@ -49,13 +51,14 @@ class VectorIndex:
         nprobe: int = 32,
         use_gpu: str = "auto",
         train_size: int | None = None,
+        ef_search: int = _HNSW_EF_SEARCH,
     ) -> None:
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if kind not in INDEX_KINDS:
             raise ValueError(f"kind must be one of {INDEX_KINDS}, got {kind!r}")
-        if nlist < 1 or nprobe < 1:
-            raise ValueError(f"nlist and nprobe must be >= 1, got {nlist} and {nprobe}")
+        if nlist < 1 or nprobe < 1 or ef_search < 1:
+            raise ValueError(f"nlist, nprobe, ef_search must be >= 1: {nlist} {nprobe} {ef_search}")
         if use_gpu not in ("auto", "yes", "no"):
             raise ValueError(f"use_gpu must be 'auto', 'yes' or 'no', got {use_gpu!r}")
         if use_gpu == "yes" and gpu_count() == 0:
@@ -65,6 +68,7 @@ class VectorIndex:
         self.kind = kind
         self.nlist = nlist
         self.nprobe = nprobe
+        self.ef_search = ef_search
         self.train_size = train_size if train_size is not None else 39 * nlist
         if self.train_size < nlist:
             raise ValueError(f"train_size ({self.train_size}) must be >= nlist ({nlist})")
@@ -169,12 +173,13 @@ class VectorIndex:
     # reads
 
     def search(
-        self, queries: np.ndarray, k: int, allowed_ids: np.ndarray | None = None
+        self, queries: np.ndarray, k: int, allowed_ids: np.ndarray | IdBitmap | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The k best ids per query and their scores, best first, as [nq, k] arrays.
 
-        Missing results are padded with id -1 and score -inf. With `allowed_ids` only those ids
-        can be returned; the filter runs inside the FAISS search.
+        Missing results are padded with id -1 and score -inf. With `allowed_ids` (an id array,
+        or an IdBitmap, which costs nothing to apply) only those ids can be returned; the filter
+        runs inside the FAISS search.
         """
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -183,8 +188,10 @@ class VectorIndex:
             np.full((len(queries), k), _PAD_SCORE, dtype=np.float32),
             np.full((len(queries), k), -1, dtype=np.int64),
         )
-        allowed = None if allowed_ids is None else np.asarray(allowed_ids, dtype=np.int64)
-        if len(queries) == 0 or (allowed is not None and len(allowed) == 0):
+        allowed = allowed_ids
+        if allowed is not None and not isinstance(allowed, IdBitmap):
+            allowed = np.asarray(allowed, dtype=np.int64)
+        if len(queries) == 0 or (allowed is not None and _is_empty(allowed)):
             return pad
         with self._lock:
             if len(self) == 0:
@@ -227,9 +234,11 @@ class VectorIndex:
         ids, vectors = stored_vectors(self._index)
         quantizer = faiss.IndexFlatIP(self.dim)
         ivf = faiss.IndexIVFFlat(quantizer, self.dim, self.nlist, faiss.METRIC_INNER_PRODUCT)
-        # NOTE: 256 points per list is plenty for k-means; more only slows training
+        # NOTE: 64 points per list place the centroids well enough for list assignment
+        # (bench/ann_bench.py's recall is measured so); more only slows the training, which
+        # runs inside the ingest that crosses train_size
         rng = np.random.default_rng(0)
-        sample = vectors[rng.permutation(len(vectors))[: 256 * self.nlist]]
+        sample = vectors[rng.permutation(len(vectors))[: _TRAIN_POINTS_PER_LIST * self.nlist]]
         ivf.train(sample)
         ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # remove_ids and reconstruct by id
         ivf.add_with_ids(vectors, ids)
@@ -245,13 +254,16 @@ class VectorIndex:
             self._index.add_with_ids(vectors[keep], stored_ids[keep])
         return int((~keep).sum())
 
-    def _search_params(self, k: int, allowed: np.ndarray | None) -> Any:
-        sel = id_selector(allowed) if allowed is not None else None
+    def _search_params(self, k: int, allowed: np.ndarray | IdBitmap | None) -> Any:
+        if isinstance(allowed, IdBitmap):
+            sel = allowed.selector()
+        else:
+            sel = id_selector(allowed) if allowed is not None else None
         kind = index_kind_of(self._index)
         if kind == "ivf":
             return faiss.SearchParametersIVF(sel=sel, nprobe=self.nprobe)
         if kind == "hnsw":
-            return faiss.SearchParametersHNSW(sel=sel, efSearch=max(_HNSW_EF_SEARCH, k))
+            return faiss.SearchParametersHNSW(sel=sel, efSearch=max(self.ef_search, k))
         return faiss.SearchParameters(sel=sel) if sel is not None else None
 
     def _searcher(self) -> Any:
@@ -285,6 +297,10 @@ class VectorIndex:
         with self._lock:
             self._index = loaded
             self._gpu_index = None
+
+
+def _is_empty(allowed: np.ndarray | IdBitmap) -> bool:
+    return allowed.is_empty if isinstance(allowed, IdBitmap) else len(allowed) == 0
 
 
 def remove_partial_saves(path: Path) -> list[Path]:

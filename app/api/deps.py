@@ -13,6 +13,7 @@ from prefixrag.app.api.auth import bearer_token, resolve_tenant
 from prefixrag.app.core.errors import NotReadyError, OpenAIError
 from prefixrag.app.services.ingest import IngestService
 from prefixrag.app.services.llm import LLMService
+from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.state import AppState
 from prefixrag.retrieval.pipeline import Retriever
 
@@ -80,6 +81,15 @@ def get_retriever(state: StateDep) -> Retriever:
 
 
 RetrieverDep = Annotated[Retriever, Depends(get_retriever)]
+
+
+def get_scopes(state: StateDep) -> ScopeCache:
+    """The searches' cached allowed chunk ids; 503 until the index is ready."""
+    state.require("db", "embedder", "index")
+    return loaded(state.scopes, "search scopes")
+
+
+ScopesDep = Annotated[ScopeCache, Depends(get_scopes)]
 
 
 def get_llm(state: StateDep) -> LLMService:

@@ -44,6 +44,7 @@ from prefixrag.retrieval.parsing import (
 )
 
 if TYPE_CHECKING:
+    from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.chunking import Chunk as TextChunk
     from prefixrag.retrieval.chunking import Chunker
     from prefixrag.retrieval.embedder import Embedder
@@ -98,7 +99,8 @@ class IngestService:
     are written in every retrieval mode (so switching to hybrid needs no rebuild), in the
     transaction of the chunk rows, with `analyzer` (the one the lexical search queries with).
     `on_ready` is called with a document's chunk texts once it is ready (to warm caches; a
-    failure there is logged and leaves the document ready).
+    failure there is logged and leaves the document ready). `scopes`, the searches' cached
+    bitmaps of allowed chunk ids, learns of every chunk made ready or deleted.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class IngestService:
         index: VectorIndex,
         chunker: Chunker,
         *,
+        scopes: ScopeCache,
         max_upload_bytes: int,
         num_workers: int = 1,
         queue_size: int = 64,
@@ -121,6 +124,7 @@ class IngestService:
         self._index = index
         self._analyzer = analyzer if analyzer is not None else Analyzer()
         self._on_ready = on_ready
+        self._scopes = scopes
         self._chunker = chunker
         self._max_upload_bytes = max_upload_bytes
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="ingest")
@@ -174,6 +178,7 @@ class IngestService:
             session.execute(delete(Chunk).where(Chunk.document_id == doc.id))
             session.delete(doc)
             session.commit()
+        self._scopes.note_removed(np.asarray(chunk_ids, dtype=np.int64))
         # Rows go first: a crash in between leaves orphan vectors, which search skips and the
         # start-up reconcile removes; the other order would leave unsearchable rows.
         if chunk_ids:
@@ -257,11 +262,13 @@ class IngestService:
                 if doc is None:
                     raise DocumentNotFoundError(document_id)
                 doc.status, doc.error = "ready", None
+                scope = (doc.collection.tenant, doc.collection.name)
                 session.commit()
         except BaseException:
             if added is not None:
                 self._remove_from_indexes(added)
             raise
+        self._scopes.note_ready(tenant=scope[0], collection=scope[1], chunk_ids=ids)
         if self._on_ready is not None:
             try:
                 self._on_ready([c.text for c in chunks])

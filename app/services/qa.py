@@ -28,6 +28,7 @@ from prefixrag.app.prompt.parts import ANSWER_STOP, NOT_IN_SOURCES
 from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
+from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
@@ -45,6 +46,7 @@ class QAPipeline:
 
     sessions: sessionmaker[Session]
     retriever: Retriever
+    scopes: ScopeCache
     llm: LLMService
     prompts: PromptBuilder
     settings: Settings
@@ -326,6 +328,7 @@ def _retrieve(
     return search(
         session=session,
         retriever=pipeline.retriever,
+        scopes=pipeline.scopes,
         query=question,
         top_k=top_k,
         candidates=candidates,

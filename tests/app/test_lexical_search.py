@@ -4,6 +4,7 @@ rank order and scores match a hand computation, deletes take the terms with the 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,7 +50,8 @@ def store(sessions: sessionmaker[Session], docs: list[Doc]) -> dict[int, tuple[i
     chunk id's (document id, Doc)."""
     placed: dict[int, tuple[int, Doc]] = {}
     with sessions() as session:
-        collections: dict[tuple[str, str], Collection] = {}
+        # collections stored by an earlier call are reused (a store may be called again)
+        collections = {(c.tenant, c.name): c for c in session.scalars(select(Collection))}
         for n, doc in enumerate(docs):
             key = (doc.tenant, doc.collection)
             if key not in collections:
@@ -60,7 +62,7 @@ def store(sessions: sessionmaker[Session], docs: list[Doc]) -> dict[int, tuple[i
                 filename=None,
                 media_type="text/plain",
                 num_bytes=1,
-                sha256=f"{n:064d}",
+                sha256=uuid.uuid4().hex * 2,  # unique, so a later store never clashes
                 status=doc.status,
                 meta={},
             )

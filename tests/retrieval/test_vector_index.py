@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefixrag.retrieval.faiss_internals import faiss
 from prefixrag.retrieval.vector_index import VectorIndex
 
 DIM = 24
@@ -157,3 +158,31 @@ def test_reset(data) -> None:
     assert len(index) == 0
     index.add(ids[:5], vectors[:5])
     assert len(index) == 5
+
+
+def _centroids(index: VectorIndex) -> np.ndarray:
+    ivf = faiss.downcast_index(index._index)
+    return ivf.quantizer.reconstruct_n(0, ivf.nlist)
+
+
+def test_trained_ivf_takes_new_vectors_without_retraining(tmp_path: Path, data) -> None:
+    ids, vectors, queries = data
+    path = tmp_path / "chunks.faiss"
+    index = VectorIndex(DIM, path=path, kind="ivf", nlist=16, nprobe=16, use_gpu="no",
+                        train_size=200)  # fmt: skip
+    index.add(ids[:250], vectors[:250])
+    assert index.is_trained_ivf
+    centroids = _centroids(index)
+    index.add(ids[250:400], vectors[250:400])
+    index.save()
+    reopened = VectorIndex.open(path, DIM, kind="ivf", nlist=16, nprobe=16, use_gpu="no",
+                                train_size=200)  # fmt: skip
+    reopened.add(ids[400:], vectors[400:])
+    # the lists were trained once: the clusters the first 250 made are the ones in use
+    np.testing.assert_array_equal(_centroids(reopened), centroids)
+    assert len(reopened) == len(ids)
+    _, found = reopened.search(queries, 10)  # nprobe == nlist: exact over every vector
+    np.testing.assert_array_equal(found, brute_force(queries, ids, vectors, 10))
+    # each later vector is its own nearest neighbour, so it sits in a list a search reaches
+    _, self_hits = reopened.search(vectors[400:], 1)
+    np.testing.assert_array_equal(self_hits[:, 0], ids[400:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from prefixrag.app.api.deps import RetrieverDep, SessionDep, TenantDep
+from prefixrag.app.api.deps import RetrieverDep, ScopesDep, SessionDep, TenantDep
 from prefixrag.app.schemas.errors import COMMON_CODES, error_responses
 from prefixrag.app.schemas.search import SearchHitOut, SearchIn, SearchOut
 from prefixrag.app.services.search import search
@@ -14,12 +14,17 @@ router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COM
 
 @router.post("/search", response_model=SearchOut)
 def search_chunks(
-    body: SearchIn, session: SessionDep, retriever: RetrieverDep, tenant: TenantDep
+    body: SearchIn,
+    session: SessionDep,
+    retriever: RetrieverDep,
+    scopes: ScopesDep,
+    tenant: TenantDep,
 ) -> SearchOut:
     """The best `top_k` chunks for the query, filtered inside the index search."""
     found = search(
         session=session,
         retriever=retriever,
+        scopes=scopes,
         query=body.query,
         top_k=body.top_k,
         candidates=body.candidates,
