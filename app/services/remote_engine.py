@@ -258,7 +258,9 @@ class RemoteEngine:
             if not replica["state"].endswith("RUNNING"):
                 continue
             target = replica["replica_id"]
-            response = self.handle.drop_chunks.remote(namespace, tag, target=target)
+            response = cast(
+                DeploymentResponse, self.handle.drop_chunks.remote(namespace, tag, target=target)
+            )
             try:
                 total += await asyncio.wait_for(_awaited(response), DROP_TIMEOUT_S)
             except (*REPLICA_ERRORS, ray.exceptions.RayTaskError, TimeoutError) as exc:
