@@ -22,7 +22,9 @@ def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         data_dir=data,
         embed_model=packaged_embedder_path(),
         rerank_model=str(data / "no-cross-encoder"),
-        kv_cache_gb=0.1,
+        # about 2,300 tokens of float16 KV, so the context window is well under the
+        # max_tokens cap: the request past the window (1,000 + 2,000 tokens) is a 400, not a 422
+        kv_cache_gb=0.05,
         max_num_seqs=8,
         max_num_batched_tokens=512,
         index_use_gpu="no",
