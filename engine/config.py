@@ -52,6 +52,9 @@ class EngineConfig:
     ``chunk_recompute_fraction`` of those tokens from layer ``chunk_select_layer`` on (1.0 equals
     plain prefill). Entries evicted from the pool go to a host-RAM tier of ``chunk_host_bytes``
     and, with ``chunk_disk_dir``, to a disk tier of ``chunk_disk_bytes`` that survives restarts.
+
+    ``cuda_graphs`` (CUDA only) replays decode steps of up to ``max_num_seqs`` sequences from
+    captured graphs, one launch per step instead of hundreds (engine/decode_graphs.py).
     """
 
     model: str
@@ -75,6 +78,7 @@ class EngineConfig:
     chunk_host_bytes: int = 1 << 30
     chunk_disk_dir: str | None = None
     chunk_disk_bytes: int = 8 << 30
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -108,6 +112,8 @@ class EngineConfig:
         _check_int("chunk_select_layer", self.chunk_select_layer, 1)
         _check_int("chunk_host_bytes", self.chunk_host_bytes, 0)
         _check_int("chunk_disk_bytes", self.chunk_disk_bytes, 0)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs}")
         if self.chunk_disk_dir is not None and not isinstance(self.chunk_disk_dir, str):
             disk_dir = self.chunk_disk_dir
             raise ValueError(f"chunk_disk_dir must be a path string or None, got {disk_dir!r}")

@@ -109,6 +109,8 @@ class LLMEngine:
         self.blended_tokens = 0  # reused chunk tokens not recomputed, since start
         self.recomputed_tokens = 0  # reused chunk tokens recomputed by blending, since start
         self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_seq_len)
+        if config.cuda_graphs and self.runner.can_capture_graphs:
+            self.runner.capture_decode_graphs(config.max_num_seqs)
         self.sampler = Sampler()
         self._requests: dict[int, _Request] = {}
         self._seq_ids = itertools.count()

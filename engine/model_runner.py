@@ -15,7 +15,11 @@ from torch import nn
 
 from prefixrag.engine.attention.cpu_backend import NativeAttention
 from prefixrag.engine.attention.factory import make_backend
-from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
+from prefixrag.engine.attention.metadata import (
+    AttentionMetadata,
+    SeqSpan,
+    build_attention_metadata,
+)
 from prefixrag.engine.attention.scattered import (
     build_scattered_metadata,
     make_scattered_attention,
@@ -27,6 +31,12 @@ from prefixrag.engine.blend import (
     place_reused_kv,
     read_entry_kv,
     write_entry_kv,
+)
+from prefixrag.engine.decode_graphs import (
+    Capture,
+    CudaGraphCapture,
+    DecodeGraphs,
+    graph_batch_sizes,
 )
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
@@ -283,6 +293,7 @@ class ModelRunner:
             if isinstance(self.backend, NativeAttention)
             else None
         )
+        self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
 
     def _build_model(
         self, config: ModelConfig, tensors: dict[str, torch.Tensor] | None, seed: int
@@ -333,6 +344,12 @@ class ModelRunner:
         return self._tokenizer
 
     @property
+    def can_capture_graphs(self) -> bool:
+        """Whether decode steps can be captured as CUDA graphs: a CUDA device and a backend
+        whose launches never read device values on the host (the Triton kernels)."""
+        return self.device.type == "cuda" and getattr(self.backend, "graph_safe", False)
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the LM head, i.e. the width of the returned logits."""
         return self.model_config.vocab_size
@@ -379,6 +396,8 @@ class ModelRunner:
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
             )
+        elif self.decode_graphs is not None and self.decode_graphs.can_run(meta):
+            hidden = self.decode_graphs.run(input_ids, pos, meta)
         else:
             ctx = ForwardContext(self.backend, meta, self.kv_caches)
             hidden = self.model(input_ids, pos, ctx)  # [T, hidden]
@@ -386,6 +405,30 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_batch: int, capture: Capture | None = None) -> None:
+        """Capture decode steps of up to ``max_batch`` sequences as CUDA graphs, which
+        :meth:`run` then replays for every decode-only step that fits (engine/decode_graphs.py).
+        ``capture`` defaults to CUDA graph capture; tests pass another. Runs once per runner."""
+        if self.decode_graphs is not None and self.decode_graphs.max_batch >= max_batch:
+            return
+        if capture is None:
+            if not self.can_capture_graphs:
+                raise ValueError("CUDA graphs need a CUDA device and the Triton backend")
+            capture = CudaGraphCapture()
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(ids, pos, ForwardContext(self.backend, meta, self.kv_caches))
+
+        self.decode_graphs = DecodeGraphs(
+            forward,
+            batch_sizes=graph_batch_sizes(max_batch),
+            max_blocks=-(-self.max_model_len // self.block_size),
+            scale=self.scale,
+            device=self.device,
+            capture=capture,
+        )
 
     @torch.inference_mode()
     def run_blend(

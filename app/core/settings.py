@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     # KV cache storage; auto: float16 under a float32 model on CPU (engine/config.py)
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
+    # CUDA only: decode steps replayed from captured graphs (off: every kernel launched eagerly)
+    cuda_graphs: bool = True
     # chunk KV reuse: cached source bodies placed at new positions (off: exact prefixes only)
     chunk_reuse: bool = True
     # share of reused tokens computed again by blending; 1.0 equals plain prefill. 0.3: on

@@ -18,6 +18,8 @@ class KernelAttention:
 
         self.kernel_modules = (extend_attention, kv_write, paged_decode, rms_norm, rope)
         self._use_triton = use_triton
+        # Triton launches never read device values on the host, so a step can be captured
+        self.graph_safe = use_triton
         if use_triton:
             self._write_kv = kv_write.write_kv
             self._decode = paged_decode.paged_decode_attention
