@@ -84,7 +84,11 @@ def paged_decode_attention_reference(
 _LOG2E = 1.4426950408889634
 # Splits of fewer tokens than this cost more in the reduction than they gain in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 32
+_MAX_SPLITS = 64
+# Programs per SM that a split count aims for. On an H200 (bench/kernels_bench.py --sweep-decode,
+# Llama-8B heads, bf16) two per SM left the last wave part-empty: 8k x 8 sequences ran at 64% of
+# peak with 5 splits and 69% with 8; 32k x 2 at 59% with 17 and 64% with 64.
+_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -216,14 +220,14 @@ def _paged_decode_reduce_kernel(
 
 
 def _pick_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    # Enough (sequence, kv head, split) programs to fill the GPU twice over, but no split shorter
-    # than _MIN_TOKENS_PER_SPLIT. Sized from the table's capacity so no host sync is needed.
+    # Enough (sequence, kv head, split) programs for _PROGRAMS_PER_SM on every SM, but no split
+    # shorter than _MIN_TOKENS_PER_SPLIT. Sized from the table's capacity so no host sync is needed.
     num_sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
         else 1
     )
-    wanted = triton.cdiv(2 * num_sms, batch * num_kv_heads)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
     affordable = triton.cdiv(max_context, _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, affordable, _MAX_SPLITS))
 
@@ -236,13 +240,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton: the attention of :func:`paged_decode_attention_reference`, flash-decoding style.
 
     Each (sequence, KV head) program loads every KV tile once for its whole query-head group.
     Long contexts are cut into ``num_splits`` pieces (chosen from batch and table size when None)
     whose partial results a second kernel merges by their log-sum-exp. seq_lens must be >= 1 and
-    the block table must cover them; neither is checked on the device.
+    the block table must cover them; neither is checked on the device. ``num_warps`` and
+    ``num_stages`` override Triton's launch defaults (for tuning, bench/kernels_bench.py).
     """
     group = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -303,6 +311,7 @@ def paged_decode_attention(
         BLOCK_N=64 if q.device.type == "cuda" else 16,
         IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(k_cache.dtype),
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     if is_split:
         _paged_decode_reduce_kernel[(batch, num_q_heads)](
