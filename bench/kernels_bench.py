@@ -120,8 +120,17 @@ def precheck() -> None:
     print("correctness pre-check passed (decode, extend, rms_norm, rope, write_kv)")
 
 
-def bench_decode(context: int, batch: int, peak_tbps: float) -> DecodeResult:
-    """Time one layer's decode attention for `batch` sequences of `context` tokens."""
+def bench_decode(context: int, batch: int, peak_tbps: float, layouts: int = 3) -> DecodeResult:
+    """Time one layer's decode attention for `batch` sequences of `context` tokens: the median
+    over ``layouts`` fresh caches, each with its own random block placement."""
+    runs = sorted(
+        (_bench_decode_once(context, batch, peak_tbps) for _ in range(layouts)),
+        key=lambda r: r.triton_ms,
+    )
+    return runs[len(runs) // 2]
+
+
+def _bench_decode_once(context: int, batch: int, peak_tbps: float) -> DecodeResult:
     k_cache, v_cache, tables = _paged_cache([context] * batch)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -144,6 +153,29 @@ def bench_decode(context: int, batch: int, peak_tbps: float) -> DecodeResult:
         context, batch, triton_ms, gather_ms, sdpa_ms, kv_bytes, tbps, tbps / peak_tbps,
         gather_ms / triton_ms,
     )  # fmt: skip
+
+
+SWEEP_SPLITS = (None, 4, 8, 16, 32, 64)
+SWEEP_LAUNCH = ((4, None), (8, None), (4, 2), (4, 4), (8, 4))  # (num_warps, num_stages)
+
+
+def sweep_decode(context: int, batch: int, peak_tbps: float) -> list[dict[str, object]]:
+    """Decode attention's bandwidth over split counts and launch settings, for tuning the
+    split heuristic (None is today's choice)."""
+    k_cache, v_cache, tables = _paged_cache([context] * batch)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    args = (q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    rows = []
+    for splits in SWEEP_SPLITS:
+        for warps, stages in SWEEP_LAUNCH:
+            kwargs = {"num_splits": splits, "num_warps": warps, "num_stages": stages}
+            ms = _ms(lambda kwargs=kwargs: paged_decode_attention(*args, **kwargs))
+            tbps = kv_bytes / (ms * 1e-3) / 1e12
+            rows.append({**kwargs, "context": context, "batch": batch, "ms": ms,
+                         "tbps": tbps, "fraction_of_peak": tbps / peak_tbps})  # fmt: skip
+    return rows
 
 
 def bench_extend() -> dict[str, float]:
@@ -223,12 +255,16 @@ def _weight_bytes() -> int:
 
 def _print_engine(engine: dict) -> None:
     print(f"engine end to end ({engine['backend']}), Llama-3.1-8B shape, random bf16 weights:")
-    for r in engine["decode"]:
-        print(
-            f"  decode batch {r['batch']:>2}: {r['tokens_per_s']:8.0f} tok/s, "
-            f"{r['ms_per_step']:.2f} ms/step, {r['fraction_of_bound']:.0%} of the bandwidth bound "
-            f"({r['bandwidth_bound_tokens_per_s']:.0f} tok/s)"
-        )
+    for mode, rows in (("eager", engine["decode_eager"]), ("graphs", engine["decode"])):
+        if isinstance(rows, str):
+            print(f"  decode with {mode}: {rows}")
+            continue
+        for r in rows:
+            print(
+                f"  decode {mode:>6} batch {r['batch']:>2}: {r['tokens_per_s']:8.0f} tok/s, "
+                f"{r['ms_per_step']:.2f} ms/step, {r['fraction_of_bound']:.0%} of the bandwidth "
+                f"bound ({r['bandwidth_bound_tokens_per_s']:.0f} tok/s)"
+            )
     t = engine["ttft_16k"]
     print(
         f"  TTFT {t['prompt_tokens']} tokens: cold {t['ttft_cold_s']:.3f} s, "
@@ -242,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tbps", type=float, default=None, help="override peak HBM TB/s")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_bench.json"))
     parser.add_argument("--no-engine", action="store_true", help="skip the end-to-end part")
+    parser.add_argument(
+        "--sweep-decode", action="store_true", help="also time decode over splits and launches"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -252,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     device, peak = _peak_tbps(args.peak_tbps)
     precheck()
     decode = [bench_decode(ctx, batch, peak) for ctx, batch in DECODE_CASES]
+    sweep = (
+        [row for ctx, batch in DECODE_CASES for row in sweep_decode(ctx, batch, peak)]
+        if args.sweep_decode
+        else []
+    )
     extend = bench_extend()
     engine = None if args.no_engine else bench_engine(peak)
     result = {
@@ -260,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": {"q_heads": NUM_Q_HEADS, "kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "layers": NUM_LAYERS, "block_size": BLOCK_SIZE, "dtype": str(DTYPE)},
         "decode": [asdict(r) for r in decode],
+        "decode_sweep": sweep,
         "extend": extend,
         "weight_bytes": _weight_bytes(),
         "engine_end_to_end": engine if engine is not None else "skipped (--no-engine)",
@@ -275,6 +320,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.torch_gather_sdpa_ms:.3f} ms (Triton {r.speedup_vs_torch:.1f}x faster), "
             f"SDPA on contiguous KV {r.torch_sdpa_only_ms:.3f} ms"
         )
+    for ctx, batch in DECODE_CASES:
+        rows = [r for r in sweep if r["context"] == ctx and r["batch"] == batch]
+        if rows:
+            best = max(rows, key=lambda r: r["tbps"])
+            print(
+                f"  sweep {ctx:>6} x{batch:<2}: best {best['tbps']:.2f} TB/s "
+                f"({best['fraction_of_peak']:.0%}) at splits={best['num_splits']} "
+                f"warps={best['num_warps']} stages={best['num_stages']}"
+            )
     print(
         f"extend {EXTEND_NEW} new on {EXTEND_PREFIX} prefix: triton {extend['triton_ms']:.2f} ms "
         f"{extend['triton_tflops']:.0f} TFLOP/s; torch masked SDPA "

@@ -3,9 +3,10 @@ random bf16 weights (nothing can be fetched), on the default CUDA path (Triton a
 RoPE).
 
 Reports decode tokens/s at batch 1, 16 and 64 against the memory-bandwidth bound (every step reads
-all weights once plus each sequence's KV), and the time to first token of a 16k-token prompt, cold
-and with its first 15k tokens already in the prefix cache. Each measured run follows an identical
-untimed one, so Triton compiles and allocator warm-up stay out of the figures.
+all weights once plus each sequence's KV), eager and with each step replayed from a CUDA graph,
+and the time to first token of a 16k-token prompt, cold and with its first 15k tokens already in
+the prefix cache. Each measured run follows an identical untimed one, so Triton compiles,
+graph captures and allocator warm-up stay out of the figures.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ def build_runner(config: ModelConfig = LLAMA_31_8B, device: str = "cuda") -> Mod
     )
 
 
-def _engine(runner: ModelRunner) -> LLMEngine:
+def _engine(runner: ModelRunner, graphs: bool = True) -> LLMEngine:
     # A fresh engine has an empty prefix cache; the runner (weights, KV pool) is shared.
+    # Without graphs, a runner that captured them earlier replays none.
+    if not graphs:
+        runner.decode_graphs = None
     config = EngineConfig(
         model="random-weights",
         block_size=BLOCK_SIZE,
@@ -76,6 +80,7 @@ def _engine(runner: ModelRunner) -> LLMEngine:
         max_num_seqs=max(DECODE_BATCHES),
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         device=runner.device.type,
+        cuda_graphs=graphs,
     )
     return LLMEngine(config, runner=runner)
 
@@ -89,9 +94,9 @@ def _prompt(seed: int, length: int, vocab_size: int) -> list[int]:
     return [(seed * 7919 + i * 31) % (vocab_size - 2) + 1 for i in range(length)]
 
 
-def _decode_run(runner: ModelRunner, batch: int) -> tuple[int, float]:
+def _decode_run(runner: ModelRunner, batch: int, graphs: bool) -> tuple[int, float]:
     """Decode tokens produced after every sequence has its first token, and the seconds taken."""
-    engine = _engine(runner)
+    engine = _engine(runner, graphs)
     params = SamplingParams(max_tokens=DECODE_NEW, temperature=0.0, ignore_eos=True)
     for b in range(batch):
         engine.add_request(_prompt(b, DECODE_PROMPT, runner.vocab_size), params)
@@ -119,14 +124,15 @@ def _weight_bytes(runner: ModelRunner) -> int:
     return total - model.embed_weight.numel() * model.embed_weight.element_size()
 
 
-def bench_decode(runner: ModelRunner, peak_tbps: float) -> list[dict[str, float]]:
-    """Decode tokens/s per batch size and its fraction of the bandwidth bound."""
+def bench_decode(runner: ModelRunner, peak_tbps: float, graphs: bool) -> list[dict[str, float]]:
+    """Decode tokens/s per batch size and its fraction of the bandwidth bound, eager or with
+    steps replayed from CUDA graphs."""
     weight_bytes = _weight_bytes(runner)
     mean_context = DECODE_PROMPT + DECODE_NEW / 2
     results = []
     for batch in DECODE_BATCHES:
-        _decode_run(runner, batch)  # compiles and warms up the exact shapes measured next
-        num_tokens, seconds = _decode_run(runner, batch)
+        _decode_run(runner, batch, graphs)  # compiles and warms up the shapes measured next
+        num_tokens, seconds = _decode_run(runner, batch, graphs)
         step_bytes = weight_bytes + batch * mean_context * runner.kv_bytes_per_token
         bound = batch * peak_tbps * 1e12 / step_bytes
         measured = num_tokens / seconds
@@ -180,7 +186,12 @@ def bench_engine(
         " + fused norm/rope" if runner.backend.fused_ops else ""
     )
     try:
-        decode = bench_decode(runner, peak_tbps)
+        # eager first: the runner then captures its graphs once, for the rest
+        eager = bench_decode(runner, peak_tbps, graphs=False)
+        try:
+            decode: list[dict[str, float]] | str = bench_decode(runner, peak_tbps, graphs=True)
+        except Exception as exc:  # a failed capture must not lose the eager figures
+            decode = f"failed: {type(exc).__name__}: {exc}"
         ttft = bench_ttft(runner)
     finally:
         del runner
@@ -193,5 +204,6 @@ def bench_engine(
         "decode_prompt_tokens": DECODE_PROMPT,
         "decode_new_tokens": DECODE_NEW,
         "decode": decode,
+        "decode_eager": eager,
         "ttft_16k": ttft,
     }
