@@ -155,8 +155,9 @@ def _bench_decode_once(context: int, batch: int, peak_tbps: float) -> DecodeResu
     )  # fmt: skip
 
 
-SWEEP_SPLITS = (None, 4, 8, 16, 32, 64)
-SWEEP_LAUNCH = ((4, None), (8, None), (4, 2), (4, 4), (8, 4))  # (num_warps, num_stages)
+SWEEP_SPLITS = (None, 8, 16, 32, 64)
+# (num_warps, num_stages, block_n)
+SWEEP_LAUNCH = ((4, None, 64), (4, None, 32), (4, None, 128), (8, None, 128), (8, 4, 128))
 
 
 def sweep_decode(context: int, batch: int, peak_tbps: float) -> list[dict[str, object]]:
@@ -169,8 +170,9 @@ def sweep_decode(context: int, batch: int, peak_tbps: float) -> list[dict[str, o
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     rows = []
     for splits in SWEEP_SPLITS:
-        for warps, stages in SWEEP_LAUNCH:
-            kwargs = {"num_splits": splits, "num_warps": warps, "num_stages": stages}
+        for warps, stages, block_n in SWEEP_LAUNCH:
+            kwargs = {"num_splits": splits, "num_warps": warps, "num_stages": stages,
+                      "block_n": block_n}  # fmt: skip
             ms = _ms(lambda kwargs=kwargs: paged_decode_attention(*args, **kwargs))
             tbps = kv_bytes / (ms * 1e-3) / 1e12
             rows.append({**kwargs, "context": context, "batch": batch, "ms": ms,
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     precheck()
     decode = [bench_decode(ctx, batch, peak) for ctx, batch in DECODE_CASES]
     sweep = (
-        [row for ctx, batch in DECODE_CASES for row in sweep_decode(ctx, batch, peak)]
+        [row for ctx, batch in DECODE_CASES[1:] for row in sweep_decode(ctx, batch, peak)]
         if args.sweep_decode
         else []
     )
@@ -327,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  sweep {ctx:>6} x{batch:<2}: best {best['tbps']:.2f} TB/s "
                 f"({best['fraction_of_peak']:.0%}) at splits={best['num_splits']} "
-                f"warps={best['num_warps']} stages={best['num_stages']}"
+                f"warps={best['num_warps']} stages={best['num_stages']} "
+                f"block_n={best['block_n']}"
             )
     print(
         f"extend {EXTEND_NEW} new on {EXTEND_PREFIX} prefix: triton {extend['triton_ms']:.2f} ms "

@@ -243,14 +243,16 @@ def paged_decode_attention(
     *,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton: the attention of :func:`paged_decode_attention_reference`, flash-decoding style.
 
     Each (sequence, KV head) program loads every KV tile once for its whole query-head group.
     Long contexts are cut into ``num_splits`` pieces (chosen from batch and table size when None)
     whose partial results a second kernel merges by their log-sum-exp. seq_lens must be >= 1 and
-    the block table must cover them; neither is checked on the device. ``num_warps`` and
-    ``num_stages`` override Triton's launch defaults (for tuning, bench/kernels_bench.py).
+    the block table must cover them; neither is checked on the device. ``num_warps``,
+    ``num_stages`` and ``block_n`` (positions per tile) override the launch defaults (for
+    tuning, bench/kernels_bench.py).
     """
     group = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -308,7 +310,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         # tl.dot needs at least 16 rows; padding rows are masked.
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if q.device.type == "cuda" else 16,
+        BLOCK_N=block_n or (64 if q.device.type == "cuda" else 16),
         IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
