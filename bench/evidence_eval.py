@@ -32,7 +32,8 @@ NEVER = float("-inf")  # an extend_margin no neighbour passes
 # EvidenceFinder arguments per setting; "shipped" is the finder's defaults.
 SETTINGS: dict[str, dict[str, Any]] = {
     "shipped": {},
-    "before": {"code_weight": 0.0, "widen_back": False},  # last round's finder
+    "before": {"code_weight": 0.0, "widen_back": False, "code_aware_split": False},  # round 1
+    "no_code_split": {"code_aware_split": False},  # last round's finder: prose may join code
     "single": {"extend_margin": NEVER, "widen_back": False},
     "no_terms": {"term_weight": 0.0},
     "no_code": {"code_weight": 0.0},

@@ -75,7 +75,8 @@ class EvidenceFinder:
     the `shortlist` best sentences of each chunk (default: max(4, max_spans)). `cache_chunks`
     bounds the per-chunk sentence cache (about 8 KB per chunk with a 384-wide embedder). With
     `widen_back`, a chosen sentence that opens by pointing back ("It", "This", ...) takes the
-    sentence before it along, so a span is still at most two sentences.
+    sentence before it along, so a span is still at most two sentences. `code_aware_split` is
+    `sentence_spans`' `code_aware`: prose is never joined onto the end of a code block.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class EvidenceFinder:
         code_weight: float = CODE_WEIGHT,
         extend_margin: float = EXTEND_MARGIN,
         widen_back: bool = True,
+        code_aware_split: bool = True,
         analyzer: Analyzer | None = None,
     ) -> None:
         shortlist = max(4, max_spans) if shortlist is None else shortlist
@@ -102,6 +104,7 @@ class EvidenceFinder:
         self.code_weight = code_weight
         self.extend_margin = extend_margin
         self.widen_back = widen_back
+        self.code_aware_split = code_aware_split
         self.analyzer = analyzer if analyzer is not None else Analyzer()
         self._cache: OrderedDict[bytes, _ChunkSentences] = OrderedDict()
         self._lock = threading.Lock()
@@ -214,8 +217,9 @@ class EvidenceFinder:
         return [sorted(ranked, key=lambda item: -item[1]) for ranked in reranked]
 
     def _sentences(self, texts: Sequence[str], embedder: Embedder) -> list[_ChunkSentences]:
-        model = embedder.model_name_or_path.encode()
-        keys = [hashlib.blake2b(model + b"\0" + t.encode(), digest_size=16).digest() for t in texts]
+        # the splitting is in the key: finders that split differently may share one cache
+        model = embedder.model_name_or_path.encode() + b"\0%d\0" % self.code_aware_split
+        keys = [hashlib.blake2b(model + t.encode(), digest_size=16).digest() for t in texts]
         found: dict[int, _ChunkSentences] = {}
         with self._lock:
             for n, key in enumerate(keys):
@@ -226,7 +230,8 @@ class EvidenceFinder:
         missing = [n for n in range(len(texts)) if n not in found]
         if missing:
             # one batch for every new chunk's sentences: the embedder's cost is per call
-            spans = {n: sentence_spans(texts[n]) for n in missing}
+            split = self.code_aware_split
+            spans = {n: sentence_spans(texts[n], code_aware=split) for n in missing}
             flat = [texts[n][lo:hi] for n in missing for lo, hi in spans[n]]
             vectors = embedder.encode(flat)
             row = 0

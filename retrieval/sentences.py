@@ -6,7 +6,10 @@ followed by space and something that can open a sentence, unless the word before
 common abbreviation. A fragment that doesn't stand alone is joined to the next span, up to a
 length a person still reads as one highlight: a short one (a bullet's label, one code token),
 and a line that ends with no stop at all (an API signature or a heading, whose next sentence
-says what it is).
+says what it is). A line of code (a doctest prompt, a traceback, an indented line) joins only
+the code after it: code lines end with no stop, and joining them went on into the prose after
+the block, so the sentence that answers ("If a finally clause is present, ...") was scored and
+highlighted glued to the tail of a traceback.
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ _ABBREVIATIONS = frozenset(
     {"e.g", "i.e", "etc", "vs", "cf", "al", "approx", "fig", "no", "mr", "mrs", "dr", "st", "sec"}
 )
 _WORD = re.compile(r"\w+")
+# a line of code: a doctest prompt (">>> ", "... "), a traceback's first line, or an indented line
+_CODE_LINE = re.compile(r"[ \t]*(?:>>>|\.\.\.)|Traceback \(|[ \t]{2,}\S")
 _STOPS = ".!?:;"
 
 MIN_CHARS = 40  # a span shorter than this is joined to the next one...
 MAX_JOINED_CHARS = 240  # ...while the two together stay this short
 
 
-def sentence_spans(text: str) -> list[tuple[int, int]]:
+def sentence_spans(text: str, *, code_aware: bool = True) -> list[tuple[int, int]]:
     """Spans (start, end) of `text`'s sentences in order, without surrounding whitespace; each
-    holds at least one word. `text[start:end]` is the sentence."""
+    holds at least one word. `text[start:end]` is the sentence. With `code_aware` off, a span
+    ending in a line of code may join the prose after it (the splitting before code lines were
+    told apart, kept for the benchmark's comparison)."""
     pieces: list[tuple[int, int]] = []
     for line in _LINE.finditer(text):
         start = line.start()
@@ -39,7 +46,7 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
                 start = cut.end()
         pieces.append((start, line.end()))
     spans = [_strip(text, lo, hi) for lo, hi in pieces]
-    return _join_short(text, [s for s in spans if _WORD.search(text, s[0], s[1])])
+    return _join_short(text, [s for s in spans if _WORD.search(text, s[0], s[1])], code_aware)
 
 
 def _is_abbreviation(sentence: str) -> bool:
@@ -60,13 +67,21 @@ def _strip(text: str, lo: int, hi: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _join_short(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _is_code_line(text: str, pos: int) -> bool:
+    """Whether the line holding `text[pos]` is a line of code."""
+    return _CODE_LINE.match(text, text.rfind("\n", 0, pos) + 1) is not None
+
+
+def _join_short(text: str, spans: list[tuple[int, int]], code_aware: bool) -> list[tuple[int, int]]:
     joined: list[tuple[int, int]] = []
     for lo, hi in spans:
         if joined:
             prev_lo, prev_hi = joined[-1]
             dangling = prev_hi - prev_lo < MIN_CHARS or text[prev_hi - 1] not in _STOPS
-            if dangling and hi - prev_lo <= MAX_JOINED_CHARS:
+            prose_after_code = (
+                code_aware and _is_code_line(text, prev_hi - 1) and not _is_code_line(text, lo)
+            )
+            if dangling and not prose_after_code and hi - prev_lo <= MAX_JOINED_CHARS:
                 joined[-1] = (prev_lo, hi)
                 continue
         joined.append((lo, hi))

@@ -188,3 +188,26 @@ def test_a_loaded_cross_encoder_orders_the_shortlist(embedder: Embedder, tiny_cr
     assert expected is not None
     # padding differs between the two batches: scores agree to float32 noise, not bit for bit
     np.testing.assert_allclose([s.score for s in spans], expected, atol=1e-2)
+
+
+def test_the_finder_splits_code_aware_and_caches_each_splitting_apart(embedder: Embedder):
+    text = (
+        ">>> f.close()\n"
+        "Traceback (most recent call last):\n"
+        '  File "<stdin>", line 1, in <module>\n'
+        "It is good practice to use the with keyword when dealing with file objects.\n"
+        "Using with is also much shorter than writing equivalent try-finally blocks."
+    )
+    question = "What is good practice when dealing with file objects?"
+    aware = EvidenceFinder(max_spans=1, extend_margin=NEVER, widen_back=False)
+    glued = EvidenceFinder(
+        max_spans=1, extend_margin=NEVER, widen_back=False, code_aware_split=False
+    )
+    glued._cache = aware._cache  # one cache, as bench/evidence_eval.py shares it
+    top = aware.find(question, [text], embedder=embedder)[0][0]
+    assert text[top.start : top.end] == (
+        "It is good practice to use the with keyword when dealing with file objects."
+    )
+    top = glued.find(question, [text], embedder=embedder)[0][0]
+    assert text[top.start : top.end].startswith('File "<stdin>"')
+    assert aware.num_cached == 2  # the same text, split two ways

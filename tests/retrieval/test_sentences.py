@@ -50,6 +50,38 @@ def test_a_line_break_always_ends_a_span_but_a_signature_joins_its_description()
     ]
 
 
+TRACEBACK_THEN_PROSE = (
+    ">>> try:\n"
+    "...     raise KeyboardInterrupt\n"
+    "Traceback (most recent call last):\n"
+    '  File "<stdin>", line 2, in <module>\n'
+    "If a finally clause is present, the finally clause will execute as the last task.\n"
+)
+
+
+def test_prose_after_a_code_block_stands_alone():
+    # the code lines end with no stop, so they join each other; the prose after them does not
+    *code, prose = texts(TRACEBACK_THEN_PROSE)
+    assert (
+        prose == "If a finally clause is present, the finally clause will execute as the last task."
+    )
+    assert code[0].startswith(">>> try:") and not any("finally" in line for line in code)
+    # before code lines were told apart, the sentence was glued to the traceback's tail
+    old = [
+        TRACEBACK_THEN_PROSE[lo:hi]
+        for lo, hi in sentence_spans(TRACEBACK_THEN_PROSE, code_aware=False)
+    ]
+    assert old[-1].startswith('File "<stdin>"') and old[-1].endswith("as the last task.")
+
+
+def test_prose_that_introduces_code_still_joins_it():
+    text = "For example:\n>>> while True:\n...     pass\nThis is commonly used for minimal classes."
+    assert texts(text) == [
+        "For example:\n>>> while True:\n...     pass",
+        "This is commonly used for minimal classes.",
+    ]
+
+
 def test_text_without_words_has_no_spans():
     assert sentence_spans("") == []
     assert sentence_spans("  \n --- \n ... \n") == []
