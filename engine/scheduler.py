@@ -74,11 +74,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_samples(self) -> int:
-        """How many tokens ``postprocess`` expects."""
-        return sum(1 for item in self.seqs if item.do_sample)
+    num_samples: int = 0  # entries with do_sample: how many tokens ``postprocess`` expects
 
 
 class Scheduler:
@@ -219,17 +215,19 @@ class Scheduler:
         # its entry inline; a sequence that needs a block takes _add, preempting if it must.
         block_size = self.config.block_size
         running = SequenceStatus.RUNNING
-        entries = out.seqs
+        append, mark = out.seqs.append, scheduled.add
+        num_inline = 0
         for seq in list(self._running.values()):
-            num_tokens = len(seq.token_ids)
+            token_ids = seq.token_ids
+            num_tokens = len(token_ids)
             if seq.status is not running or num_tokens - seq.num_computed_tokens != 1:
                 continue
             budget -= 1
-            if num_tokens <= len(seq.block_ids) * block_size:
-                start = num_tokens - 1
-                entries.append(ScheduledSeq(seq, seq.token_ids[start:], start, seq.block_ids, True))
-                out.num_batched_tokens += 1
-                scheduled.add(seq.seq_id)
+            block_ids = seq.block_ids
+            if num_tokens <= len(block_ids) * block_size:
+                append(ScheduledSeq(seq, [token_ids[-1]], num_tokens - 1, block_ids, True))
+                mark(seq.seq_id)
+                num_inline += 1
                 continue
             while not self.blocks.can_grow(seq, num_tokens):
                 victim = self._newest_unscheduled(scheduled)
@@ -245,6 +243,8 @@ class Scheduler:
                 self._add(out, seq, 1, scheduled)
             else:
                 budget += 1
+        out.num_batched_tokens += num_inline
+        out.num_samples += num_inline
         return budget
 
     def _schedule_prefill_chunks(
@@ -353,10 +353,10 @@ class Scheduler:
         if start + n > len(seq.block_ids) * self.config.block_size:
             self.blocks.grow(seq, start + n)
         token_ids = seq.token_ids[start : start + n]
-        out.seqs.append(
-            ScheduledSeq(seq, token_ids, start, seq.block_ids, start + n == seq.num_tokens, reuse)
-        )
+        do_sample = start + n == seq.num_tokens
+        out.seqs.append(ScheduledSeq(seq, token_ids, start, seq.block_ids, do_sample, reuse))
         out.num_batched_tokens += n
+        out.num_samples += do_sample
         if scheduled is not None:
             scheduled.add(seq.seq_id)
 
