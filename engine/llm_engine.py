@@ -300,18 +300,24 @@ class LLMEngine:
     def _forward(self, out: SchedulerOutput, sampled_seqs: list[Sequence]) -> SamplerOutput:
         plain = [s for s in out.seqs if s.reuse is None]
         rows: dict[int, torch.Tensor] = {}  # seq id -> its logits row
+        sampled_ids = [s.seq_id for s in sampled_seqs]
+        logits = None
         if plain:
             items = [StepItem(s.token_ids, s.start_pos, s.block_ids, s.do_sample) for s in plain]
             logits = self.runner.run(items)  # [num_sampled, vocab]
-            rows.update(zip((s.seq.seq_id for s in plain if s.do_sample), logits, strict=True))
+            plain_ids = [s.seq.seq_id for s in plain if s.do_sample]
+            if len(plain) < len(out.seqs) or plain_ids != sampled_ids:
+                rows.update(zip(plain_ids, logits, strict=True))
+                logits = None
         for s in out.seqs:
             if s.reuse is not None:  # a blended prefill runs alone: its rows shrink mid-model
                 rows[s.seq.seq_id] = self._blend(s)
         if not sampled_seqs:
             return SamplerOutput([], [])
-        logits = torch.stack([rows[seq.seq_id] for seq in sampled_seqs])
+        if logits is None:  # NOTE: the common step's rows are in order already: no copy
+            logits = torch.stack([rows[seq_id] for seq_id in sampled_ids])
         return self.sampler.sample_with_logprobs(
-            logits, [s.seq_id for s in sampled_seqs], [s.sampling_params for s in sampled_seqs]
+            logits, sampled_ids, [s.sampling_params for s in sampled_seqs]
         )
 
     def _blend(self, item: ScheduledSeq) -> torch.Tensor:
