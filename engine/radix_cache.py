@@ -33,13 +33,20 @@ def block_namespace(cache_scope: CacheScope, block_index: int, block_size: int) 
     return cache_scope.namespace.encode()
 
 
+_KEY_HEADER = struct.Struct("<II")
+_TOKEN_PACKERS: dict[int, struct.Struct] = {}  # by token count: one per block size in use
+
+
 def block_key(parent_key: bytes, namespace: bytes, token_ids: Sequence[int]) -> bytes:
     """128-bit BLAKE2b of a length-prefixed, little-endian encoding of the three parts."""
-    h = hashlib.blake2b(struct.pack("<II", len(parent_key), len(namespace)), digest_size=16)
-    h.update(parent_key)
-    h.update(namespace)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+    # NOTE: one buffer and one hash call: a decode step that fills a block hashes it, so this
+    # runs for every sequence every block_size steps (the digest equals hashing part by part)
+    n = len(token_ids)
+    packer = _TOKEN_PACKERS.get(n)
+    if packer is None:
+        packer = _TOKEN_PACKERS.setdefault(n, struct.Struct(f"<{n}q"))
+    data = _KEY_HEADER.pack(len(parent_key), len(namespace)) + parent_key + namespace
+    return hashlib.blake2b(data + packer.pack(*token_ids), digest_size=16).digest()
 
 
 def chained_block_keys(

@@ -5,6 +5,8 @@ token prefix written into it) and checks every match against that record, so a w
 hide behind the cache's own bookkeeping.
 """
 
+import hashlib
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -99,6 +101,16 @@ def test_hash_collision_never_returns_other_tokens() -> None:
     assert cache_tokens(cache, pool, [2, 2, 5, 5]) == []  # refused, not aliased
     assert cache.match_prefix([1, 1], CacheScope("other")).num_tokens == 0  # ns not in this hash
     assert pool.num_used_blocks == cache.num_cached_blocks == 1
+
+
+def test_block_key_is_blake2b_of_the_length_prefixed_parts() -> None:
+    # the documented encoding, built independently: keys stay stable across releases (the chunk
+    # disk tier and the replica router compare them)
+    for parent, ns, tokens in [(b"", b"", [1]), (b"p" * 16, b"tenant", list(range(16)))]:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(len(parent).to_bytes(4, "little") + len(ns).to_bytes(4, "little"))
+        h.update(parent + ns + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+        assert block_key(parent, ns, tokens) == h.digest()
 
 
 def test_block_key_separates_its_parts() -> None:
