@@ -412,8 +412,13 @@ class Scheduler:
         # NOTE: this loop runs for every sequence on every step: the stop test is inlined (a
         # call per sequence is a measurable share of a decode step) and only names the reason
         # through _stop_reason when some condition holds.
-        for item in out.seqs:
-            token_id = next(sampled) if item.do_sample else None
+        # a decode-only step samples every entry: pair them without a per-entry branch
+        pairs = (
+            zip(out.seqs, sampled_token_ids, strict=True)
+            if out.num_samples == len(out.seqs)
+            else ((item, next(sampled) if item.do_sample else None) for item in out.seqs)
+        )
+        for item, token_id in pairs:
             seq = item.seq
             if has_plans:
                 self._drop_plan(seq)
