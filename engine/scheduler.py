@@ -200,7 +200,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
         budget = self._schedule_decodes(out, budget, scheduled)
-        budget = self._schedule_prefill_chunks(out, budget, scheduled)
+        if len(scheduled) < len(self._running):  # else every running sequence decodes
+            budget = self._schedule_prefill_chunks(out, budget, scheduled)
         self._admit_waiting(out, budget)
         while not out.seqs and (self._running or self._waiting):
             self._unblock(out)
