@@ -49,11 +49,14 @@ def ready_chunk_ids(*, session: Session) -> np.ndarray:
     # Start-up's largest read (a million ids at a million chunks): the driver's own cursor, not
     # ORM or Core rows, whose per-row processing made it 2-3x slower (bench/startup_bench.py).
     cursor = session.connection().connection.cursor()
+    blocks: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     try:
         cursor.execute(_READY_CHUNK_IDS)
-        return np.fromiter((row[0] for row in cursor), dtype=np.int64)
+        while rows := cursor.fetchmany(65536):
+            blocks.append(np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows)))
     finally:
         cursor.close()
+    return np.concatenate(blocks)
 
 
 def reconcile_index(
