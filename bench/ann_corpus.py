@@ -134,6 +134,14 @@ def _cached_base_texts(num_base: int) -> list[str]:
     return json.loads((CACHE / f"ann_base_{num_base}.json").read_text())["texts"]
 
 
+def base_texts(embedder: Embedder, num_base: int) -> list[str]:
+    """The base chunk texts: from the cache when the base was embedded, else cut again (the
+    chunker only: for benchmarks that need the texts and not the vectors)."""
+    if (CACHE / f"ann_base_{num_base}.json").exists():
+        return list(_cached_base_texts(num_base))
+    return real_chunks(embedder, num_base)
+
+
 def query_chunks(embedder: Embedder, base: set[str], num: int) -> list[str]:
     """Real chunks none of which is in `base`: at most QUERIES_PER_FILE per file, from the end
     of the shuffle backwards (the base took files from its start), so they spread over files."""

@@ -38,10 +38,25 @@ class ReconcileReport:
         return self.num_orphan_vectors == 0 and self.num_missing_vectors == 0
 
 
+_READY_CHUNK_IDS = (
+    "SELECT chunks.id FROM chunks JOIN documents ON documents.id = chunks.document_id "
+    "WHERE documents.status = 'ready' ORDER BY chunks.id"
+)
+
+
 def ready_chunk_ids(*, session: Session) -> np.ndarray:
     """Ids of every chunk whose document is ready, sorted, as int64."""
-    query = select(Chunk.id).join(Document).where(Document.status == "ready").order_by(Chunk.id)
-    return np.asarray(list(session.scalars(query)), dtype=np.int64)
+    # Start-up's largest read (a million ids at a million chunks): the driver's own cursor, not
+    # ORM or Core rows, whose per-row processing made it 2-3x slower (bench/startup_bench.py).
+    cursor = session.connection().connection.cursor()
+    blocks: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+    try:
+        cursor.execute(_READY_CHUNK_IDS)
+        while rows := cursor.fetchmany(65536):
+            blocks.append(np.fromiter((row[0] for row in rows), dtype=np.int64, count=len(rows)))
+    finally:
+        cursor.close()
+    return np.concatenate(blocks)
 
 
 def reconcile_index(
@@ -57,13 +72,15 @@ def reconcile_index(
     """
     with sessions() as session:
         db_ids = ready_chunk_ids(session=session)
-    index_ids = np.asarray(index.ids(), dtype=np.int64)
-    orphans = np.setdiff1d(index_ids, db_ids)
-    missing = np.setdiff1d(db_ids, index_ids)
-    report = ReconcileReport(len(db_ids), len(orphans), len(missing), repaired=False)
-    if report.is_consistent:
+    index_ids = np.sort(np.asarray(index.ids(), dtype=np.int64))
+    if np.array_equal(index_ids, db_ids):
+        # the usual start: one linear comparison instead of two set differences (seconds at 1M)
         logger.info("vector index is consistent with the database (%d vectors)", len(db_ids))
-        return report
+        return ReconcileReport(len(db_ids), 0, 0, repaired=False)
+    # both sides hold each id once (the index refuses a known id; chunk ids are a primary key)
+    orphans = np.setdiff1d(index_ids, db_ids, assume_unique=True)
+    missing = np.setdiff1d(db_ids, index_ids, assume_unique=True)
+    report = ReconcileReport(len(db_ids), len(orphans), len(missing), repaired=False)
     logger.warning(
         "vector index out of sync with the database: %d vectors without a ready chunk "
         "(e.g. %s), %d ready chunks without a vector (e.g. %s); repairing from the database",
