@@ -12,7 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
 
+from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.main import create_app
 from prefixrag.app.state import AppState
@@ -60,6 +62,17 @@ def _postgres_schema(base: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+@pytest.fixture
+def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
+    """A session factory over a freshly migrated database (no app around it)."""
+    upgrade_db(database_url)
+    engine = make_engine(database_url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ rank order and scores match a hand computation, deletes take the terms with the 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -33,16 +32,6 @@ class Doc:
     collection: str
     texts: tuple[str, ...]
     status: str = "ready"
-
-
-@pytest.fixture
-def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade_db(database_url)
-    engine = make_engine(database_url)
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
 
 
 def store(sessions: sessionmaker[Session], docs: list[Doc]) -> dict[int, tuple[int, Doc]]:

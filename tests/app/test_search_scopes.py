@@ -5,8 +5,6 @@ filtered FAISS search never returns another tenant's chunk."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +12,6 @@ from hypothesis import strategies as st
 from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.services import scopes as scopes_module
 from prefixrag.app.services.scopes import ScopeCache
@@ -26,16 +23,6 @@ from tests.app.test_lexical_search import Doc, docs_strategy, store
 DIM = 8
 TENANTS = ["a", "b", "c"]
 SCOPES = [(t, c) for t in TENANTS for c in ("x", "y", None)]
-
-
-@pytest.fixture
-def sessions(database_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade_db(database_url)
-    engine = make_engine(database_url)
-    try:
-        yield make_sessionmaker(engine)
-    finally:
-        engine.dispose()
 
 
 def expected(placed: dict[int, tuple[int, Doc]], tenant: str, collection: str | None) -> set[int]:
