@@ -1,70 +1,45 @@
 """fp32 attention is exact fp32 on GPUs too: the kernels compiled for CUDA targets (no GPU needed,
 Triton's own toolchain builds the PTX) use no TF32 tensor-core products for float32 caches, and
-keep tensor cores for half types."""
+keep tensor cores for half types. The PTX comes from tests/kernels/ptx_probe.py, run once in a
+fresh interpreter without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
-import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
-from prefixrag.kernels import extend_attention, paged_decode, scattered_attention
 from prefixrag.kernels._precision import dot_precision
 
 pytestmark = pytest.mark.skipif(
     "nvidia" not in triton.backends.backends, reason="this Triton has no NVIDIA backend"
 )
-
-# Each kernel with the constexprs of a typical CUDA launch (head_dim 64).
-KERNELS = {
-    "extend": (
-        extend_attention._extend_attention_kernel,
-        {"HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64},
-    ),
-    "paged_decode": (
-        paged_decode._paged_decode_kernel,
-        {"HEAD_DIM": 64, "BLOCK_G": 16, "BLOCK_N": 64, "IS_SPLIT": False},
-    ),
-    "scattered": (
-        scattered_attention._scattered_attention_kernel,
-        {"HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64},
-    ),
-}
-_FLOAT_ARGS = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
-_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ("extend", "paged_decode", "scattered")
 
 
-def _ptx(kernel, constexprs: dict, dtype: torch.dtype, arch: int) -> str:
-    # Under TRITON_INTERPRET the decorated kernel is an interpreted function: compile its Python
-    # source through a JITFunction of our own instead.
-    fn = getattr(kernel, "fn", kernel)
-    names = list(inspect.signature(fn).parameters)
-    constexprs = {**constexprs, "DOT_PRECISION": dot_precision(dtype)}
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in _FLOAT_ARGS:
-            signature[name] = "*" + _TRITON_TYPES[dtype]
-        elif name == "lse_ptr":
-            signature[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"
-        elif name == "qk_scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    source = ASTSource(
-        JITFunction(fn),
-        signature,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+@pytest.fixture(scope="module")
+def ptx_flags(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[bool]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # a cache of its own: every run compiles cold, as on a fresh machine
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.ptx_probe"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_dot_precision_is_ieee_for_float32_only():
@@ -74,14 +49,13 @@ def test_dot_precision_is_ieee_for_float32_only():
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("name", KERNELS)
-def test_float32_kernels_use_no_tf32(name, arch):
-    kernel, constexprs = KERNELS[name]
-    ptx = _ptx(kernel, constexprs, torch.float32, arch)
-    assert "tf32" not in ptx and "mma" not in ptx  # FMA products in full fp32
+def test_float32_kernels_use_no_tf32(ptx_flags, name, arch):
+    has_tf32, has_mma = ptx_flags[f"{name} fp32 {arch}"]
+    assert not has_tf32 and not has_mma  # FMA products in full fp32
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", KERNELS)
-def test_half_kernels_keep_tensor_cores(name, dtype):
-    kernel, constexprs = KERNELS[name]
-    assert "mma" in _ptx(kernel, constexprs, dtype, 90)
+def test_half_kernels_keep_tensor_cores(ptx_flags, name, dtype):
+    _, has_mma = ptx_flags[f"{name} {dtype} 90"]
+    assert has_mma
