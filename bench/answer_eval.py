@@ -20,6 +20,10 @@ when an app starts, so each prompt variant gets an app of its own, one after the
 copy of the same corpus; configurations that share a prompt are interleaved in their app.
 
     python -m bench.answer_eval [--half held_out] [--configs today,shipped] [--limit N]
+
+`--model PATH` serves another GGUF than the packaged SmolLM2-135M (a second column, e.g. the
+Qwen2.5-Coder-0.5B of bench/setup_qwen.sh, with `--suffix _qwen`); the corpus is the same, as
+chunks are cut by the embedder's tokens.
 """
 
 from __future__ import annotations
@@ -180,10 +184,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kept = kept_corpus(spec)
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     started = time.perf_counter()
+    model = {"llm": args.model} if args.model else {}
     for prompt, group in by_prompt.items():
-        _run_app(spec, kept, questions, group, PROMPTS[prompt], rows, args.half)
+        _run_app(spec, kept, questions, group, {**PROMPTS[prompt], **model}, rows, args.half)
     return {
         "half": args.half,
+        "model": Path(args.model).name if args.model else "packaged (SmolLM2-135M-Instruct)",
         "questions": len(questions),
         "split_sizes": {h: len(v) for h, v in split(spec["questions"]).items()},
         "torch_threads": _torch_threads(),
@@ -205,13 +211,13 @@ def _run_app(
     kept: Path,
     questions: list[dict],
     configs: list[str],
-    prompt_settings: dict[str, Path],
+    settings: dict[str, Any],
     rows: dict[str, list[dict[str, Any]]],
     half: str,
 ) -> None:
-    """Ask every question under each configuration, interleaved, in one app with these prompt
-    settings."""
-    with eval_client(spec, kept, **prompt_settings) as client:
+    """Ask every question under each configuration, interleaved, in one app with these settings
+    (a prompt variant's, the model)."""
+    with eval_client(spec, kept, **settings) as client:
         for question in tqdm(questions, desc=f"{half} questions"):
             for config in configs:  # interleaved: every config meets the same cache state
                 fields = CONFIGS[parse_config(config)[0]]
@@ -266,7 +272,9 @@ def _torch_threads() -> int:
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"\n{report['half']} half, {report['questions']} questions, {report['wall_s']} s")
+    model = report.get("model", "packaged")
+    print(f"\n{report['half']} half, {report['questions']} questions, {model}", end="")
+    print(f", {report['wall_s']} s")
     head = f"{'config':24} {'answer':>7} {'evid.':>7} {'best':>7} {'recall':>7} {'ev/rec':>7}"
     head += f" {'loops':>7}"
     print(head + f" {'ev_ms':>7} {'ttft_ms':>8} {'tokens':>7}")
@@ -296,7 +304,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     labels = [m.replace("_", " ") for m in measures]
     ax.set_xticks(np.arange(len(measures)) + 0.4 - width / 2, labels)
     ax.set_ylim(0, 1)
-    ax.set_title(f"/v1/query on the {report['half']} half ({report['questions']} questions)")
+    title = f"/v1/query on the {report['half']} half ({report['questions']} questions)"
+    ax.set_title(f"{title}, {report.get('model', 'packaged model')}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -313,6 +322,7 @@ def main() -> None:
         f"({', '.join(p for p in PROMPTS if p)})",
     )
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
+    parser.add_argument("--model", default="", help="a GGUF to serve (default: the packaged one)")
     parser.add_argument("--suffix", default="", help="appended to the result file names")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
