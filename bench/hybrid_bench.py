@@ -19,10 +19,8 @@ Writes bench/results/hybrid_bench.json and prints a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sqlite3
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import numpy as np
 from sqlalchemy import select
 
 from bench.ann_corpus import corpus
+from bench.scale_cli import run_in_tmp, scale_parser
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.models import Chunk, Collection, Document
@@ -117,7 +116,7 @@ def old_allowed_ids(sessions, tenant: str) -> np.ndarray:  # type: ignore[no-unt
     return ids
 
 
-def run(args: argparse.Namespace, tmp: str) -> dict:
+def run(args: argparse.Namespace, tmp: Path) -> dict:
     embedder = Embedder(packaged_embedder_path())
     data = corpus(embedder, args.total, args.base, 500)
     vectors = data["vectors"]
@@ -176,20 +175,10 @@ def rss_mb() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total", type=int, default=1_000_000)
-    parser.add_argument("--base", type=int, default=20_000)
+    parser = scale_parser(__doc__.splitlines()[0])
     parser.add_argument("--nprobe", type=int, default=64)
     parser.add_argument("--queries", type=int, default=100)
-    parser.add_argument("--tmp", default=None, help="where the database goes (default: a tmp dir)")
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        report = run(args, tmp)
-    report["args"] = vars(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))
+    run_in_tmp(parser.parse_args(), run, RESULTS)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import os
 import sqlite3
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +41,7 @@ import numpy as np
 
 from bench.ann_corpus import QUERY_WORDS, base_texts, query_chunks
 from bench.hybrid_bench import fill
+from bench.scale_cli import run_in_tmp, scale_parser
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.settings import packaged_embedder_path
@@ -196,7 +195,7 @@ def timed(fn: Callable[[str], object], queries: list[str]) -> tuple[dict[str, fl
     return {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95))}, out
 
 
-def run(args: argparse.Namespace, tmp: str) -> dict:
+def run(args: argparse.Namespace, tmp: Path) -> dict:
     embedder = Embedder(packaged_embedder_path())
     texts = base_texts(embedder, args.base)
     queries = [
@@ -276,19 +275,9 @@ def run(args: argparse.Namespace, tmp: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total", type=int, default=1_000_000)
-    parser.add_argument("--base", type=int, default=20_000)
+    parser = scale_parser(__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=20)
-    parser.add_argument("--tmp", default=None, help="where the database goes (default: a tmp dir)")
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        report = run(args, tmp)
-    report["args"] = vars(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))
+    run_in_tmp(parser.parse_args(), run, RESULTS)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,9 @@ Writes bench/results/startup_bench.json and prints a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import numpy as np
 from bench.ann_corpus import base_texts
 from bench.hybrid_bench import fill
 from bench.load_server import ServerProcess, wait_ready
+from bench.scale_cli import run_in_tmp, scale_parser
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.services.index_sync import ready_chunk_ids, reconcile_index
@@ -141,19 +140,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total", type=int, default=1_000_000)
-    parser.add_argument("--base", type=int, default=20_000)
+    parser = scale_parser(__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tmp", default=None, help="where the data dir goes (default: a tmp dir)")
-    args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        report = run(args, Path(tmp))
-    report["args"] = vars(args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1))
+    run_in_tmp(parser.parse_args(), run, RESULTS)
 
 
 if __name__ == "__main__":
