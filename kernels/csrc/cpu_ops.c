@@ -77,8 +77,8 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
                     int64_t num_q_rows, float *out, int64_t hq, int64_t hkv, int64_t d,
                     int64_t bs, float scale, int64_t split_len) {
     const int64_t group = hq / hkv;
-    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM || !kv_kind_ok(kv_kind) ||
-        split_len < CHUNK || split_len % CHUNK)
+    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM || hkv * d > TILE ||
+        !kv_kind_ok(kv_kind) || split_len < CHUNK || split_len % CHUNK)
         return -1;
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t len = row_lens[i], used = (len + bs - 1) / bs, s = row_seqs[i];
@@ -102,16 +102,16 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < total * hkv; t++) {
-            /* tasks run split by split (kv heads innermost); a row's partials are kept kv
-             * head by kv head, each head's splits side by side for its merge */
-            const int64_t u = t / hkv, g = t % hkv, i = split_row(off, num_rows, u);
+        for (int64_t u = 0; u < total; u++) {
+            /* one task per split, every kv head; a row's partials are kept kv head by kv head,
+             * each head's splits side by side for its merge */
+            const int64_t i = split_row(off, num_rows, u);
             const int64_t s = u - off[i], splits = off[i + 1] - off[i];
             const int64_t begin = s * split_len;
             const int64_t end = begin + split_len < row_lens[i] ? begin + split_len : row_lens[i];
-            attend_range(q + row_ids[i] * q_stride + g * group * d, group, k_cache, v_cache,
-                         kv_kind, hkv, g, d, bs, block_tables + (int64_t)row_seqs[i] * max_blocks,
-                         begin, end, scale, parts + (off[i] * hkv + g * splits + s) * part_size);
+            attend_range(q + row_ids[i] * q_stride, hq, k_cache, v_cache, kv_kind, hkv, d, bs,
+                         block_tables + (int64_t)row_seqs[i] * max_blocks, begin, end, scale,
+                         parts + (off[i] * hkv + s) * part_size, splits * part_size);
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_rows * hkv; t++) {

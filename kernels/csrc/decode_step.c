@@ -76,20 +76,19 @@ static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv
     }
 }
 
-/* Task t of a layer's attention: split t / hkv of every row's splits (off, see
- * paged_attention.h), kv head t % hkv; its partial goes beside the head's other splits. */
+/* Task u of a layer's attention: split u of every row's splits (off, see paged_attention.h),
+ * every kv head; each head's partial goes beside that head's other splits. */
 static void attend_task(const decode_shape *sh, const decode_layer *ly, const float *qkv,
                         const int64_t *off, int64_t rows, const int32_t *block_tables,
-                        const int32_t *seq_lens, float *parts, int64_t t) {
+                        const int32_t *seq_lens, float *parts, int64_t u) {
     const int64_t d = sh->head_dim, hkv = sh->kv_heads, group = sh->heads / hkv;
     const int64_t width = (sh->heads + 2 * hkv) * d, part_size = group * partial_width(d);
-    const int64_t u = t / hkv, g = t % hkv, b = split_row(off, rows, u);
-    const int64_t s = u - off[b], splits = off[b + 1] - off[b];
+    const int64_t b = split_row(off, rows, u), s = u - off[b], splits = off[b + 1] - off[b];
     const int64_t begin = s * sh->split_len;
     const int64_t end = begin + sh->split_len < seq_lens[b] ? begin + sh->split_len : seq_lens[b];
-    attend_range(qkv + b * width + g * group * d, group, ly->k_cache, ly->v_cache, sh->kv_kind,
-                 hkv, g, d, sh->bs, block_tables + b * sh->max_blocks, begin, end, sh->scale,
-                 parts + (off[b] * hkv + g * splits + s) * part_size);
+    attend_range(qkv + b * width, sh->heads, ly->k_cache, ly->v_cache, sh->kv_kind, hkv, d,
+                 sh->bs, block_tables + b * sh->max_blocks, begin, end, sh->scale,
+                 parts + (off[b] * hkv + s) * part_size, splits * part_size);
 }
 
 /* Merge task t: row t / hkv, kv head t % hkv, its splits into the attention output. */
@@ -114,9 +113,9 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
                 const int32_t *block_tables, const int32_t *seq_lens, const float *cos_sin,
                 int64_t num_positions, const decode_scratch *sc) {
     const int64_t d = sh->head_dim, hq = sh->heads, hkv = sh->kv_heads, hidden = sh->hidden;
-    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 ||
-        !kv_kind_ok(sh->kv_kind) || sh->split_len < CHUNK || sh->split_len % CHUNK || rows < 1 ||
-        rows > MAX_ROWS)
+    if (hkv < 1 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || hkv * d > TILE ||
+        d % 2 || !kv_kind_ok(sh->kv_kind) || sh->split_len < CHUNK || sh->split_len % CHUNK ||
+        rows < 1 || rows > MAX_ROWS)
         return -1;
     for (int64_t i = 0; i < num_layers; i++) {
         const decode_layer *ly = layers + i;
@@ -136,8 +135,8 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
     }
     const int64_t qkv_width = (hq + 2 * hkv) * d;
     int64_t off[MAX_ROWS + 1];
-    const int64_t num_tasks = split_offsets(seq_lens, rows, sh->split_len, off) * hkv;
-    float *parts = malloc((size_t)(num_tasks * (hq / hkv) * partial_width(d)) * sizeof(float));
+    const int64_t num_tasks = split_offsets(seq_lens, rows, sh->split_len, off);
+    float *parts = malloc((size_t)(num_tasks * hq * partial_width(d)) * sizeof(float));
     if (!parts) return -3;
 #pragma omp parallel
     {

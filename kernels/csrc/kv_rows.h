@@ -31,6 +31,12 @@ static inline int64_t kv_elem_size(int32_t kind) { return kind == KV_F32 ? 4 : 2
 static inline void f16_to_f32(const uint16_t *src, float *dst, int64_t n) {
 #if KV_HAS_F16 && !defined(KV_F16_SCALAR)
     int64_t j = 0;
+#if defined(__AVX512F__)
+    /* full-width stores: the attention reads these rows back 16 floats at a time, and a load
+     * that spans two narrower stores cannot be forwarded from them (it waits for both) */
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + j))));
+#endif
     for (; j + 8 <= n; j += 8)
         _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
     for (; j < n; j++) dst[j] = _cvtsh_ss(src[j]);

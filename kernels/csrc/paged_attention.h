@@ -18,9 +18,14 @@
 
 #include "kv_rows.h"
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define CHUNK 32
+#define TILE 8192 /* floats of one chunk's keys (and of its values): kv heads * head_dim <= TILE */
 
 /* floats of one head's partial: acc [d], then m and l */
 static inline int64_t partial_width(int64_t d) { return d + 2; }
@@ -50,64 +55,235 @@ static inline int64_t split_row(const int64_t *off, int64_t rows, int64_t u) {
     return lo;
 }
 
-/* Positions [begin, end) of one sequence for query group qg [group, d] (contiguous) against kv
- * head g; caches [num_blocks, bs, hkv, d] of `kind`. Writes each head's partial to
- * part [group][d + 2]. */
-static inline void attend_range(const float *qg, int64_t group, const void *k_cache,
-                                const void *v_cache, int32_t kind, int64_t hkv, int64_t g,
-                                int64_t d, int64_t bs, const int32_t *table, int64_t begin,
-                                int64_t end, float scale, float *part) {
-    const int64_t row = hkv * d; /* elements per cache slot */
-    float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][CHUNK];
-    float buf[MAX_HEAD_DIM];
-    for (int64_t h = 0; h < group; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        memset(acc[h], 0, (size_t)d * sizeof(float));
+/* e^x for x <= 0 (a score minus its running max), within 2 ulp of expf: x = n ln2 + r with
+ * |r| <= ln2 / 2, e^r from a degree-7 polynomial, 2^n put into the exponent. libm's expf is a
+ * call per score, and at a long context the scores' exponentials would cost as much as reading
+ * their keys; this runs 16 (AVX-512) or 8 (AVX2) at a time. x is clamped at -87, where e^x is
+ * about the smallest normal float: a position that far below the max adds nothing visible. */
+#define EXP_LO -87.0f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693145751953125f /* ln 2 = LN2_HI + LN2_LO, LN2_HI exact in few bits */
+#define LN2_LO 1.428606765330187e-06f
+#define EXP_C6 1.9875691500e-4f /* (e^r - 1 - r) / r^2 = C1 + C2 r + ... + C6 r^5 */
+#define EXP_C5 1.3981999507e-3f
+#define EXP_C4 8.3334519073e-3f
+#define EXP_C3 4.1665795894e-2f
+#define EXP_C2 1.6666665459e-1f
+#define EXP_C1 5.0000001201e-1f
+
+static inline float exp_nonpos(float x) {
+    x = x < EXP_LO ? EXP_LO : x;
+    const float n = nearbyintf(x * LOG2E);
+    const float r = (x - n * LN2_HI) - n * LN2_LO;
+    float p = EXP_C6;
+    p = p * r + EXP_C5;
+    p = p * r + EXP_C4;
+    p = p * r + EXP_C3;
+    p = p * r + EXP_C2;
+    p = p * r + EXP_C1;
+    return ldexpf((p * r) * r + r + 1.0f, (int)n);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp_nonpos16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
+    const __m512 er = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+                                    _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(er, n); /* er * 2^n */
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp_nonpos8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1));
+    const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
+                                    _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(er, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+/* s[i] = e^(s[i] - mx) for i < n (every s[i] <= mx); returns their sum, added in a fixed order */
+static inline float exp_shifted(float *s, int64_t n, float mx) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 total = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(s + i, e);
+        total = _mm512_add_ps(total, e);
     }
-    for (int64_t p0 = begin; p0 < end; p0 += CHUNK) {
-        const int64_t n = end - p0 < CHUNK ? end - p0 : CHUNK;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t p = p0 + i;
-            const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            const float *kr = kv_load(k_cache, kind, at, d, buf);
-            for (int64_t h = 0; h < group; h++) {
-                const float *qh = qg + h * d;
-                float s = 0.0f;
+    sum = _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 total = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(s + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    sum = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+#endif
+    for (; i < n; i++) {
+        s[i] = exp_nonpos(s[i] - mx);
+        sum += s[i];
+    }
+    return sum;
+}
+
+/* a . b over d floats */
+static inline float row_dot(const float *a, const float *b, int64_t d) {
+#if defined(__AVX512F__)
+    if (d % 32 == 0) { /* two chains: the FMA latency, not its throughput, bounds one */
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + j + 16), _mm512_loadu_ps(b + j + 16), s1);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+        }
+        const __m256 t = _mm256_add_ps(s0, s1);
+        const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+        return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+    }
+#endif
+    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t j = 0; j < d; j++) s += qh[j] * kr[j];
-                sc[h][i] = s * scale;
-            }
-        }
-        for (int64_t h = 0; h < group; h++) {
-            float mx = m[h];
-            for (int64_t i = 0; i < n; i++) mx = sc[h][i] > mx ? sc[h][i] : mx;
-            const float correction = expf(m[h] - mx); /* 0 on the first chunk */
-            l[h] *= correction;
-            for (int64_t j = 0; j < d; j++) acc[h][j] *= correction;
+    for (int64_t j = 0; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* acc[0, d) += sum over i < n of w[i] * rows[i][col, col + d), in increasing i */
+static inline void add_weighted_rows(float *acc, const float *w, const float *const *rows,
+                                     int64_t col, int64_t n, int64_t d) {
+#if defined(__AVX512F__)
+    if (d % 64 == 0) { /* 64 columns at a time, held in four registers over all n rows */
+        for (int64_t j = 0; j < d; j += 64) {
+            __m512 a0 = _mm512_loadu_ps(acc + j), a1 = _mm512_loadu_ps(acc + j + 16);
+            __m512 a2 = _mm512_loadu_ps(acc + j + 32), a3 = _mm512_loadu_ps(acc + j + 48);
             for (int64_t i = 0; i < n; i++) {
-                sc[h][i] = expf(sc[h][i] - mx);
-                l[h] += sc[h][i];
+                const __m512 wi = _mm512_set1_ps(w[i]);
+                const float *r = rows[i] + col + j;
+                a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(r), a0);
+                a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(r + 16), a1);
+                a2 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(r + 32), a2);
+                a3 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(r + 48), a3);
             }
-            m[h] = mx;
+            _mm512_storeu_ps(acc + j, a0), _mm512_storeu_ps(acc + j + 16, a1);
+            _mm512_storeu_ps(acc + j + 32, a2), _mm512_storeu_ps(acc + j + 48, a3);
         }
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t p = p0 + i;
-            const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            const float *vr = kv_load(v_cache, kind, at, d, buf);
-            for (int64_t h = 0; h < group; h++) {
-                const float w = sc[h][i];
-                float *a = acc[h];
-#pragma omp simd
-                for (int64_t j = 0; j < d; j++) a[j] += w * vr[j];
-            }
-        }
+        return;
     }
-    const int64_t pw = partial_width(d);
-    for (int64_t h = 0; h < group; h++) {
-        memcpy(part + h * pw, acc[h], (size_t)d * sizeof(float));
-        part[h * pw + d] = m[h];
-        part[h * pw + d + 1] = l[h];
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 32 == 0) {
+        for (int64_t j = 0; j < d; j += 32) {
+            __m256 a0 = _mm256_loadu_ps(acc + j), a1 = _mm256_loadu_ps(acc + j + 8);
+            __m256 a2 = _mm256_loadu_ps(acc + j + 16), a3 = _mm256_loadu_ps(acc + j + 24);
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 wi = _mm256_set1_ps(w[i]);
+                const float *r = rows[i] + col + j;
+                a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r), a0);
+                a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 8), a1);
+                a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 16), a2);
+                a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(r + 24), a3);
+            }
+            _mm256_storeu_ps(acc + j, a0), _mm256_storeu_ps(acc + j + 8, a1);
+            _mm256_storeu_ps(acc + j + 16, a2), _mm256_storeu_ps(acc + j + 24, a3);
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        const float wi = w[i], *r = rows[i] + col;
+#pragma omp simd
+        for (int64_t j = 0; j < d; j++) acc[j] += wi * r[j];
+    }
+}
+
+/* positions per chunk: CHUNK, halved until a chunk's slots (row floats each) fit a tile */
+static inline int64_t chunk_len(int64_t row) {
+    int64_t n = CHUNK;
+    while (n > 1 && n * row > TILE) n /= 2;
+    return n;
+}
+
+/* Positions [begin, end) of one sequence for its query q [hq, d] (contiguous), every kv head;
+ * caches [num_blocks, bs, hkv, d] of `kind`. The partial of query head h of kv head g goes to
+ * part + g * head_stride + h' * (d + 2), h' = h - g * group.
+ *
+ * A chunk of positions at a time, whole cache slots (every kv head's row) at once: within a
+ * block they lie end to end, so memory streams, where reading one kv head's rows alone touches
+ * a slice of each slot and runs at a third of the bandwidth. A 16-bit chunk is widened to
+ * float32 once; then every query head reads it from L1: scores by row_dot, their exponentials
+ * vectorized, values by add_weighted_rows with the head's accumulator in registers. The block
+ * table is walked, with no division per position. */
+static inline void attend_range(const float *q, int64_t hq, const void *k_cache,
+                                const void *v_cache, int32_t kind, int64_t hkv, int64_t d,
+                                int64_t bs, const int32_t *table, int64_t begin, int64_t end,
+                                float scale, float *part, int64_t head_stride) {
+    const int64_t row = hkv * d, group = hq / hkv, pw = partial_width(d), chunk = chunk_len(row);
+    _Alignas(64) float k_tile[TILE], v_tile[TILE];
+    float sc[CHUNK];
+    const float *k_rows[CHUNK], *v_rows[CHUNK];
+    for (int64_t g = 0; g < hkv; g++)
+        for (int64_t h = 0; h < group; h++) {
+            float *a = part + g * head_stride + h * pw; /* acc [d], then m, l */
+            memset(a, 0, (size_t)d * sizeof(float));
+            a[d] = -INFINITY;
+            a[d + 1] = 0.0f;
+        }
+    int64_t blk = begin / bs, in_blk = begin % bs;
+    for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+        const int64_t n = end - p0 < chunk ? end - p0 : chunk;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = ((int64_t)table[blk] * bs + in_blk) * row;
+            k_rows[i] = kv_load(k_cache, kind, at, row, k_tile + i * row);
+            v_rows[i] = kv_load(v_cache, kind, at, row, v_tile + i * row);
+            if (++in_blk == bs) in_blk = 0, blk++;
+        }
+        for (int64_t g = 0; g < hkv; g++)
+            for (int64_t h = 0; h < group; h++) {
+                const float *qh = q + (g * group + h) * d;
+                float *a = part + g * head_stride + h * pw, mx = a[d];
+                for (int64_t i = 0; i < n; i++) {
+                    sc[i] = row_dot(qh, k_rows[i] + g * d, d) * scale;
+                    mx = sc[i] > mx ? sc[i] : mx;
+                }
+                const float correction = expf(a[d] - mx); /* 0 on the first chunk */
+                a[d + 1] = a[d + 1] * correction + exp_shifted(sc, n, mx);
+                for (int64_t j = 0; j < d; j++) a[j] *= correction;
+                a[d] = mx;
+                add_weighted_rows(a, sc, v_rows, g * d, n, d);
+            }
     }
 }
 
