@@ -15,7 +15,7 @@ import functools
 import torch
 
 from prefixrag.kernels._checks import check_gqa, check_kv_cache, check_rank
-from prefixrag.kernels.native_build import load_library
+from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 _P, _I, _F, _K = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _SIGNATURES = {
@@ -31,10 +31,11 @@ _SIGNATURES = {
 
 
 @functools.cache
-def build() -> ctypes.CDLL:
-    """The library, built on first use; raises NativeBuildError without a working C compiler."""
+def build(flags: tuple[str, ...] = DEFAULT_FLAGS) -> ctypes.CDLL:
+    """The library, built on first use; raises NativeBuildError without a working C compiler.
+    Tests pass other ``flags`` to build the AVX2 and portable paths on an AVX-512 host."""
     # argtypes once, so each call converts plain ints instead of building ctypes objects
-    lib = load_library("cpu_ops.c")
+    lib = load_library("cpu_ops.c", flags)
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
@@ -227,8 +228,9 @@ def paged_attention_rows(
         )
     if rc != 0:
         raise ValueError(
-            f"paged attention supports query groups up to 16 and head_dim up to 256, "
-            f"got {num_q_heads // num_kv_heads} and {head_dim} "
+            f"paged attention supports query groups up to 16, head_dim up to 256 and "
+            f"kv_heads * head_dim up to 8192, got {num_q_heads // num_kv_heads}, {head_dim} and "
+            f"{num_kv_heads * head_dim} "
             f"(or this build lacks {k_cache.dtype})"
         )
     return out
