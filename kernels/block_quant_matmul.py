@@ -41,6 +41,8 @@ class BlockQuantWeight:
     m: torch.Tensor | None
     # the float32 matrix, kept by the engine for prefill-sized matmuls when memory allows
     dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # decode-sized matmuls quantize x to int8 first (engine option int8_activations)
+    int8_activations: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND:
@@ -135,13 +137,19 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def block_quant_matmul(
-    x: torch.Tensor, w: BlockQuantWeight, flags: tuple[str, ...] = DEFAULT_FLAGS
+    x: torch.Tensor,
+    w: BlockQuantWeight,
+    flags: tuple[str, ...] = DEFAULT_FLAGS,
+    *,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T`` for float32 x [..., K] -> [..., N], the weight expanded row by row in cache.
 
     A row's result does not depend on how many rows share the call, nor on the SIMD path the
     build took. ``flags`` picks the build (tests build the AVX2 path with ``-mno-avx512f`` and
-    the portable one with ``-mno-avx512f -mno-avx2``).
+    the portable one with ``-mno-avx512f -mno-avx2``). ``int8_activations`` quantizes x's rows
+    to int8 per block of 32 first, as llama.cpp's decode does (csrc/q8_act.h; see
+    :func:`q8_activations_fast` and :func:`block_quant_matmul_q8a_torch`).
     """
     _check(x, w)
     n, k = w.shape
@@ -149,13 +157,52 @@ def block_quant_matmul(
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if x2.shape[0]:
         lib = load_library("block_quant_matmul.c", flags)
-        rc = lib.block_quant_matmul(
+        fn = lib.block_quant_matmul_q8a if int8_activations else lib.block_quant_matmul
+        rc = fn(
             ctypes.c_int(_KIND[w.kind]), _ptr(x2), _ptr(w.codes), _ptr(w.d), _ptr(w.m),
             _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
         )  # fmt: skip
+        if rc == -3:
+            raise MemoryError("block_quant_matmul could not allocate its int8 activations")
         if rc != 0:
             raise ValueError(f"block_quant_matmul rejected K = {k}")
     return out.reshape(*x.shape[:-1], n)
+
+
+def q8_activations_fast(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
+    """True when the build with ``flags`` runs int8 activations on AVX-512 VNNI. Elsewhere they
+    take portable C loops, slower than the float32 path, kept as the VNNI path's yardstick."""
+    return bool(load_library("block_quant_matmul.c", flags).block_quant_q8a_fast())
+
+
+def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] to (int8 codes [M, K], float32 scales [M, K/32]): per block of 32,
+    dx = max|x| / 127 and code = round-half-even(x * (127 / max|x|)); 0 for an all-zero block."""
+    blocks = x.float().reshape(x.shape[0], -1, QBLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return codes.reshape(x.shape), amax / 127.0
+
+
+def block_quant_matmul_q8a_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
+    """``x @ W.T`` with x quantized as :func:`quantize_activations_torch` does, in float64 from
+    the exact integer block sums (the reference; the C kernel differs by float32 rounding)."""
+    n, k = w.shape
+    codes, dx = quantize_activations_torch(x)
+    xq = codes.double().reshape(x.shape[0], 1, k // QBLOCK, QBLOCK)
+    wd = dequantize_torch(w).double().reshape(1, n, k // QBLOCK, QBLOCK)
+    # w = d * c + m exactly in float64 (the float32 dequantization rounds once; recover d * c + m
+    # from the planes instead so the reference carries no float32 rounding of its own)
+    if w.kind == "q4":
+        blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
+        c = torch.cat([blocks & 15, blocks >> 4], dim=-1).double()
+    else:
+        c = w.codes.double().reshape(n, k // QBLOCK, QBLOCK)
+    d = w.d.double().repeat_interleave(_SCALE_BLOCK[w.kind], dim=1).reshape(n, k // QBLOCK, QBLOCK)
+    m = 0.0 if w.m is None else w.m.double()[..., None]
+    wd = (d * c + m)[None]
+    return ((xq * wd).sum(-1) * dx.double()[:, None, :]).sum(-1)
 
 
 def fixed_order_matmul(

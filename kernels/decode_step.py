@@ -59,6 +59,7 @@ class _Shape(ctypes.Structure):
     ] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("kv_kind", ctypes.c_int32), ("split_len", ctypes.c_int32),
+        ("act_q8", ctypes.c_int32), ("pad", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -135,6 +136,7 @@ class DecodeStack:
         scale: float,
         cos_sin_cache: torch.Tensor,
         split_len: int = SPLIT_LEN,
+        int8_activations: bool = False,
     ) -> None:
         if not layers:
             raise ValueError("a decode stack needs at least one layer")
@@ -177,6 +179,7 @@ class DecodeStack:
         self._dims = (hidden, heads, kv_heads, head_dim, inter, bs, num_blocks)
         self._eps, self._scale = eps, scale
         self._kv_kind, self._split_len = KV_KINDS[kv_dtype], split_len
+        self.int8_activations = int8_activations
         self._scratch: dict[int, tuple[_Scratch, tuple[torch.Tensor, ...]]] = {}
 
     def _scratch_for(self, rows: int) -> _Scratch:
@@ -220,8 +223,9 @@ class DecodeStack:
             raise ValueError(f"block_tables must be int32 [{rows}, max_blocks]")
         tables = block_tables.contiguous()
         shape = _Shape(
-            *self._dims, tables.shape[1], self._eps, self._scale, self._kv_kind, self._split_len
-        )
+            *self._dims, tables.shape[1], self._eps, self._scale, self._kv_kind, self._split_len,
+            int(self.int8_activations), 0,
+        )  # fmt: skip
         rc = build().decode_step(
             ctypes.byref(shape), self._layers, len(self._layers), x.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),

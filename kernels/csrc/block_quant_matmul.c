@@ -16,7 +16,10 @@
  * N through OpenMP; the library links the libgomp torch already loaded, so torch and this kernel
  * share one thread pool.
  */
+#include <stdlib.h>
+
 #include "block_quant.h"
+#include "q8_act.h"
 
 /* kind 4: q4 and 9: q8m (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused).
  * Returns 0, or -1 for a bad K or kind. */
@@ -29,6 +32,40 @@ int block_quant_matmul(int kind, const float *x, const void *codes, const float 
         bq_matmul_for(kind, x, codes, d, m, out, rows, n, k, w);
     }
     return 0;
+}
+
+/* block_quant_matmul with x's rows quantized to int8 first (q8_act.h). Returns 0, -1 for a bad
+ * K or kind, -3 if scratch memory could not be had. */
+int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const float *d,
+                           const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
+    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
+    const int64_t row_bytes = q8_row_bytes(k);
+    char *buf = aligned_alloc(64, (size_t)(rows * row_bytes));
+    q8_row *q = malloc((size_t)rows * sizeof(q8_row));
+    if (!buf || !q) {
+        free(buf);
+        free(q);
+        return -3;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        q[r] = q8_row_at(buf + r * row_bytes, k);
+        quantize_row_q8(x + r * k, k, q + r);
+    }
+#pragma omp parallel
+    q8a_matmul_for(kind, q, codes, d, m, out, rows, n, k);
+    free(q);
+    free(buf);
+    return 0;
+}
+
+/* 1 when int8 activations run on AVX-512 VNNI here, 0 when on the portable loops (which are
+ * slower than the float32 path: the engine only turns int8 activations on where this is 1) */
+int block_quant_q8a_fast(void) {
+#if defined(Q8A_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* The float32 matrix itself, [N, K] (prefill hands it to a GEMM). */

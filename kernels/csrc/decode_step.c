@@ -22,6 +22,7 @@
 
 #include "block_quant.h"
 #include "paged_attention.h"
+#include "q8_act.h"
 #include "row_ops.h"
 
 #define MAX_ROWS 16 /* kernels/decode_step.py's MAX_ROWS */
@@ -45,6 +46,8 @@ typedef struct {
     float eps, scale;
     int32_t kv_kind;   /* the caches' type (kv_rows.h) */
     int32_t split_len; /* positions per attention split (paged_attention.h) */
+    int32_t act_q8;    /* 1: matmuls take int8 activations (q8_act.h) */
+    int32_t pad;
 } decode_shape;
 
 /* Scratch of B rows each: h [H], qkv [(hq + 2 hkv) d], attn [hq d], gate_up [2 I], act [I]. */
@@ -100,6 +103,26 @@ static void merge_task(const decode_shape *sh, const int64_t *off, const float *
                  d, attn + b * sh->heads * d + g * group * d);
 }
 
+/* Int8 activations: rows of k floats quantized into q (row r's buffer at buf + r * stride) */
+static void quantize_rows(const float *x, int64_t rows, int64_t k, char *buf, int64_t stride,
+                          q8_row *q) {
+    for (int64_t r = 0; r < rows; r++) {
+        q[r] = q8_row_at(buf + r * stride, k);
+        quantize_row_q8(x + r * k, k, q + r);
+    }
+}
+
+/* out = x W^T through whichever activations the shape asks for; every thread calls it. With
+ * int8 activations, q holds x already quantized. */
+static void matmul_for(const decode_shape *sh, const bq_weight *wt, const float *x,
+                       const q8_row *q, float *out, int64_t rows, int64_t n, int64_t k,
+                       float *w) {
+    if (sh->act_q8)
+        q8a_matmul_for(wt->kind, q, wt->codes, wt->d, wt->m, out, rows, n, k);
+    else
+        bq_matmul_for(wt->kind, x, wt->codes, wt->d, wt->m, out, rows, n, k, w);
+}
+
 static int valid_weight(const bq_weight *w, int64_t k) {
     return valid_kind(w->kind) && k % QBLOCK == 0 && k <= MAX_K;
 }
@@ -137,16 +160,28 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
     int64_t off[MAX_ROWS + 1];
     const int64_t num_tasks = split_offsets(seq_lens, rows, sh->split_len, off);
     float *parts = malloc((size_t)(num_tasks * hq * partial_width(d)) * sizeof(float));
-    if (!parts) return -3;
+    /* int8 activation rows, each laid out for the K of the matmul at hand */
+    const int64_t kmax = hidden > hq * d ? (hidden > sh->inter ? hidden : sh->inter)
+                                         : (hq * d > sh->inter ? hq * d : sh->inter);
+    const int64_t q_stride = q8_row_bytes(kmax);
+    char *q_buf = sh->act_q8 ? aligned_alloc(64, (size_t)(rows * q_stride)) : NULL;
+    q8_row q[MAX_ROWS];
+    if (!parts || (sh->act_q8 && !q_buf)) {
+        free(parts);
+        free(q_buf);
+        return -3;
+    }
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
         for (int64_t i = 0; i < num_layers; i++) {
             const decode_layer *ly = layers + i;
 #pragma omp single
-            norm_rows(x, sc->residual, i == 0, ly->input_norm, sh->eps, sc->h, rows, hidden);
-            bq_matmul_for(ly->qkv.kind, sc->h, ly->qkv.codes, ly->qkv.d, ly->qkv.m, sc->qkv, rows,
-                          qkv_width, hidden, w);
+            {
+                norm_rows(x, sc->residual, i == 0, ly->input_norm, sh->eps, sc->h, rows, hidden);
+                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, q);
+            }
+            matmul_for(sh, &ly->qkv, sc->h, q, sc->qkv, rows, qkv_width, hidden, w);
 #pragma omp single
             place_qkv(sh, ly, sc->qkv, rows, positions, slots, cos_sin);
 #pragma omp for schedule(dynamic, 1)
@@ -154,30 +189,37 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
                 attend_task(sh, ly, sc->qkv, off, rows, block_tables, seq_lens, parts, t);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < rows * hkv; t++) merge_task(sh, off, parts, sc->attn, t);
-            bq_matmul_for(ly->o.kind, sc->attn, ly->o.codes, ly->o.d, ly->o.m, x, rows, hidden,
-                          hq * d, w);
+            if (sh->act_q8) {
+#pragma omp single
+                quantize_rows(sc->attn, rows, hq * d, q_buf, q_stride, q);
+            }
+            matmul_for(sh, &ly->o, sc->attn, q, x, rows, hidden, hq * d, w);
 #pragma omp single
             {
                 if (ly->o_bias)
                     for (int64_t r = 0; r < rows; r++)
                         for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += ly->o_bias[j];
                 norm_rows(x, sc->residual, 0, ly->post_norm, sh->eps, sc->h, rows, hidden);
+                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, q);
             }
-            bq_matmul_for(ly->gate_up.kind, sc->h, ly->gate_up.codes, ly->gate_up.d,
-                          ly->gate_up.m, sc->gate_up, rows, 2 * sh->inter, hidden, w);
+            matmul_for(sh, &ly->gate_up, sc->h, q, sc->gate_up, rows, 2 * sh->inter, hidden, w);
             const int64_t inter = sh->inter;
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 const float *g = sc->gate_up + r * 2 * inter, *u = g + inter;
                 for (int64_t j = 0; j < inter; j++)
                     sc->act[r * inter + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+                if (sh->act_q8) { /* this row's activations are whole here */
+                    q[r] = q8_row_at(q_buf + r * q_stride, inter);
+                    quantize_row_q8(sc->act + r * inter, inter, q + r);
+                }
             }
-            bq_matmul_for(ly->down.kind, sc->act, ly->down.codes, ly->down.d, ly->down.m, x,
-                          rows, hidden, inter, w);
+            matmul_for(sh, &ly->down, sc->act, q, x, rows, hidden, inter, w);
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < rows * hidden; j++) x[j] += sc->residual[j];
     }
     free(parts);
+    free(q_buf);
     return 0;
 }
