@@ -53,6 +53,11 @@ class EngineConfig:
     plain prefill). Entries evicted from the pool go to a host-RAM tier of ``chunk_host_bytes``
     and, with ``chunk_disk_dir``, to a disk tier of ``chunk_disk_bytes`` that survives restarts.
 
+    ``int8_activations`` (GGUF block weights on CPU): decode-sized matmuls (up to 16 rows) round
+    their inputs to int8 per block of 32, as llama.cpp's CPU decode does, and sum integer
+    products (AVX-512 VNNI; kernels/csrc/q8_act.h). Off by default: the float32 path gives the
+    dequantized model's logits, and int8 inputs make them depend on how tokens were batched.
+
     ``cuda_graphs`` (CUDA only) replays decode steps of up to ``max_num_seqs`` sequences from
     captured graphs, one launch per step instead of hundreds (engine/decode_graphs.py).
     """
@@ -79,6 +84,7 @@ class EngineConfig:
     chunk_disk_dir: str | None = None
     chunk_disk_bytes: int = 8 << 30
     cuda_graphs: bool = True
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -104,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"cache_dir must be a path string or None, got {self.cache_dir!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
+        if not isinstance(self.int8_activations, bool):
+            raise ValueError(f"int8_activations must be a bool, got {self.int8_activations!r}")
         if not isinstance(self.enable_chunk_reuse, bool):
             raise ValueError(f"enable_chunk_reuse must be a bool, got {self.enable_chunk_reuse}")
         fraction = self.chunk_recompute_fraction

@@ -93,6 +93,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             gpu_memory_fraction=config.gpu_memory_fraction,
             weight_quant=config.weight_quant,
+            int8_activations=config.int8_activations,
         )
         self.tokenizer = self.runner.tokenizer
         self.host_tier = HostTier(config.chunk_host_bytes)
@@ -419,6 +420,8 @@ class LLMEngine:
         # their fingerprint (and their files)
         if runner.kv_dtype != runner.dtype:
             fingerprint["kv_dtype"] = str(runner.kv_dtype).removeprefix("torch.")
+        if runner.int8_activations:  # short prefills' KV differs in the last bits
+            fingerprint["activations"] = "int8"
         return fingerprint
 
     def _open_disk_tier(self) -> DiskTier | None:

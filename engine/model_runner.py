@@ -46,6 +46,7 @@ from prefixrag.engine.quant import (
     quantize_model_,
     resolve_weight_quant,
     use_block_weights_,
+    use_int8_activations_,
 )
 from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
@@ -144,7 +145,8 @@ class ModelRunner:
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
     ``weight_quant`` (``auto``, ``none``, ``int8``, ``gguf``; see
     :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights are stored: as
-    loaded, per-channel int8, or a GGUF file's own blocks. ``kv_cache_dtype`` (see
+    loaded, per-channel int8, or a GGUF file's own blocks. ``int8_activations`` rounds the
+    inputs of block-weight decode matmuls to int8 (see EngineConfig). ``kv_cache_dtype`` (see
     :func:`resolve_kv_dtype`; default: the model's dtype) picks the KV cache's storage; on CPU it
     may be 16-bit under a float32 model (keys and values rounded on store, attention math in
     float32). :meth:`from_config` builds one with random weights instead (benchmarks).
@@ -166,6 +168,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
+        int8_activations: bool = False,
     ) -> None:
         self.model_path = str(model_path)
         self.cache_dir = cache_dir
@@ -185,6 +188,7 @@ class ModelRunner:
             max_model_len=max_model_len,
             gpu_memory_fraction=gpu_memory_fraction,
             dense_prefill_bytes=dense_prefill_bytes,
+            int8_activations=int8_activations,
         )
 
     @classmethod
@@ -245,6 +249,7 @@ class ModelRunner:
         gpu_memory_fraction: float,
         seed: int = 0,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
+        int8_activations: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -267,6 +272,7 @@ class ModelRunner:
         # blended prefill's later layers: queries at scattered positions over the paged cache
         self.scattered_backend = make_scattered_attention(backend, self.device)
         self.model = self._build_model(config, tensors, seed)
+        self.int8_activations = int8_activations and use_int8_activations_(self.model)
         self.scale = config.head_dim**-0.5
         self.kv_dtype = resolve_kv_dtype(
             kv_cache_dtype,
@@ -289,7 +295,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(config, num_blocks)
         # GGUF block weights under the native backend: small decode steps run as one C call
         self.decode_stack = (
-            native_decode_stack(self.model, self.kv_caches, self.scale)
+            native_decode_stack(
+                self.model, self.kv_caches, self.scale, int8_activations=self.int8_activations
+            )
             if isinstance(self.backend, NativeAttention)
             else None
         )

@@ -27,10 +27,13 @@ def native_decode_stack(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     split_len: int = SPLIT_LEN,
+    *,
+    int8_activations: bool = False,
 ) -> DecodeStack | None:
     """The C decode stack over ``model``'s weights and ``kv_caches``, or None (and why, logged
     at debug level) when the model is not all block weights in float32 or C cannot be built.
-    ``split_len``: positions per attention split (cpu_ops.SPLIT_LEN; tests vary it)."""
+    ``split_len``: positions per attention split (cpu_ops.SPLIT_LEN; tests vary it).
+    ``int8_activations``: the matmuls round their inputs to int8 (kernels/csrc/q8_act.h)."""
     config = model.config
     if model.embed_weight.dtype != torch.float32 or kv_caches[0][0].dtype not in KV_KINDS:
         log.debug("no C decode step: it runs float32 models (16-bit KV caches allowed) only")
@@ -70,4 +73,5 @@ def native_decode_stack(
         scale=scale,
         cos_sin_cache=model.cos_sin_cache,
         split_len=split_len,
+        int8_activations=int8_activations,
     )

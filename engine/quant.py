@@ -26,6 +26,7 @@ from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
     block_quant_matmul,
+    q8_activations_fast,
 )
 from prefixrag.kernels.native_build import NativeBuildError, load_library
 
@@ -109,7 +110,7 @@ def linear(
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
         if rows <= BLOCK_KERNEL_MAX_ROWS:
-            out = block_quant_matmul(x, weight)
+            out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
         else:
             dense = weight.dense if weight.dense is not None else block_quant_dequantize(weight)
             out = F.linear(x, dense)
@@ -199,6 +200,27 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
     for weight in weights:
         weight.dense = block_quant_dequantize(weight)
     return total
+
+
+def use_int8_activations_(model: nn.Module) -> bool:
+    """Let every block weight of ``model`` take int8 activations in decode-sized matmuls
+    (kernels/csrc/q8_act.h); False, changing nothing, when the model has no block weights.
+    Warns where the host lacks AVX-512 VNNI: there the int8 path is portable C, slower than
+    float32."""
+    weights = [
+        value
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, BlockQuantWeight)
+    ]
+    if not weights:
+        log.warning("int8_activations asked for, but the model has no GGUF block weights")
+        return False
+    if not q8_activations_fast():
+        log.warning("int8_activations on a CPU without AVX-512 VNNI: slower than float32 here")
+    for weight in weights:
+        weight.int8_activations = True
+    return True
 
 
 def use_block_weights_(model: nn.Module, blocks: dict[str, BlockQuantWeight]) -> None:

@@ -79,6 +79,8 @@ class Settings(BaseSettings):
     weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
     # CUDA only: decode steps replayed from captured graphs (off: every kernel launched eagerly)
     cuda_graphs: bool = True
+    # GGUF on CPU: decode matmuls round their inputs to int8, as llama.cpp does (off: float32)
+    int8_activations: bool = False
     # chunk KV reuse: cached source bodies placed at new positions (off: exact prefixes only)
     chunk_reuse: bool = True
     # share of reused tokens computed again by blending; 1.0 equals plain prefill. 0.3: on

@@ -41,6 +41,7 @@ def engine_config_from_settings(settings: Settings) -> EngineConfig:
         chunk_disk_dir=str(settings.chunk_disk_dir) if settings.chunk_disk_gb > 0 else None,
         chunk_disk_bytes=int(settings.chunk_disk_gb * 2**30),
         cuda_graphs=settings.cuda_graphs,
+        int8_activations=settings.int8_activations,
     )
 
 

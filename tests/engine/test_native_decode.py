@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.kernels.decode_step import MAX_ROWS
 
@@ -16,15 +18,17 @@ BLOCK = 8
 def runners(tmp_path_factory) -> dict[str, ModelRunner]:
     cache_dir = tmp_path_factory.mktemp("native-decode")
     return {
-        backend: ModelRunner(
+        backend + ("_q8" if q8 else ""): ModelRunner(
             packaged_llm_path(),
             block_size=BLOCK,
             num_blocks=128,
             cache_dir=cache_dir,
             weight_quant="gguf",
             backend=backend,
+            int8_activations=q8,
         )
         for backend in ("native", "torch")
+        for q8 in (False, True)
     }
 
 
@@ -51,25 +55,49 @@ def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: i
 def test_gguf_runner_takes_the_c_step_only_under_the_native_backend(runners):
     assert runners["native"].decode_stack is not None
     assert runners["torch"].decode_stack is None
+    assert runners["native_q8"].decode_stack.int8_activations
 
 
-def test_c_decode_step_matches_the_torch_model(runners):
-    tok = runners["native"].tokenizer
-    prompts = [
+def _prompts(runner: ModelRunner) -> list[list[int]]:
+    tok = runner.tokenizer
+    return [
         tok.encode("The Rhine rises in the Swiss Alps and flows"),
         tok.encode("Paged attention stores the KV cache in blocks, so"),
         tok.encode("1, 2, 3, 4, 5,"),
     ]
-    native = _prefill_then_decode(runners["native"], prompts, 6)
-    torch_path = _prefill_then_decode(runners["torch"], prompts, 6)
+
+
+@pytest.mark.parametrize("q8", ["", "_q8"], ids=["float32", "int8_activations"])
+def test_c_decode_step_matches_the_torch_model(runners, q8):
+    # with int8 activations the torch model's matmuls quantize their inputs the same way
+    native = _prefill_then_decode(runners["native" + q8], _prompts(runners["native"]), 6)
+    torch_path = _prefill_then_decode(runners["torch" + q8], _prompts(runners["native"]), 6)
     for ours, ref in zip(native, torch_path, strict=True):
-        # same weights, same float32 math; only summation order differs
-        torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+        if not q8:  # same weights, same float32 math; only summation order differs
+            torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
+        else:  # an ulp apart upstream flips some int8 roundings: int8 noise, not float32's
+            assert cosine(ours, ref) > 0.99
 
 
-def test_c_decode_step_is_batch_invariant(runners):
-    runner = runners["native"]
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+
+
+def test_int8_activations_stay_near_the_float32_logits(runners):
+    q8 = _prefill_then_decode(runners["native_q8"], _prompts(runners["native"]), 6)
+    exact = _prefill_then_decode(runners["native"], _prompts(runners["native"]), 6)
+    for a, b in zip(q8, exact, strict=True):
+        assert not torch.equal(a, b)  # the int8 path did run
+        # x rounded to 8 bits per block of 32 (about 0.4% of its largest element), as
+        # llama.cpp's decode does: measured 0.9965 at worst over these steps
+        assert cosine(a, b) > 0.99
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("q8", ["", "_q8"], ids=["float32", "int8_activations"])
+def test_c_decode_step_is_batch_invariant(runners, q8):
+    runner = runners["native" + q8]
     tok = runner.tokenizer
     prompt = tok.encode("A sequence decoded alone or beside others")
     other = tok.encode("gets the same logits, bit for bit, because")
@@ -100,3 +128,13 @@ def test_c_decode_step_rejects_a_block_table_too_short(runners):
             torch.zeros(MAX_ROWS + 1, 1, dtype=torch.int32),
             torch.ones(MAX_ROWS + 1, dtype=torch.int32),
         )
+
+
+def test_int8_activations_is_a_bool_and_in_the_cache_fingerprint(runners):
+    with pytest.raises(ValueError, match="int8_activations"):
+        EngineConfig(model="random", int8_activations="yes")  # type: ignore[arg-type]
+    # KV written with int8 activations is not reused by an engine without them, and back
+    config = EngineConfig(model=packaged_llm_path(), block_size=BLOCK)
+    q8 = LLMEngine(config, runner=runners["native_q8"])._model_fingerprint()
+    exact = LLMEngine(config, runner=runners["native"])._model_fingerprint()
+    assert q8 != exact and q8["activations"] == "int8" and "activations" not in exact
