@@ -29,8 +29,12 @@ eval plus an argmax.
 KV cache: ours on GGUF blocks stores it as --kv-cache-dtype (default auto: float16 on CPU, as
 llama.cpp's own default f16 cache); --also-kv-dtypes adds more of our GGUF engines, one per KV
 dtype, each against the same llama.cpp; ours fp32 keeps a float32 cache (like transformers). The
-JSON reports every engine's KV dtype. --figures runs only some figures (e.g. decode_long) and
---no-fp32 leaves out the fp32/transformers comparison, for a narrow run on a busy machine.
+JSON reports every engine's KV dtype. --gguf-type Q4_K_M runs both GGUF sides on the packaged
+model requantized by llama.cpp's own quantizer (bench/requantize.py). --int8-activations adds our
+GGUF engine with int8 decode activations (EngineConfig.int8_activations), the arithmetic
+llama.cpp's own CPU decode uses, as one more side against the same llama.cpp. --figures runs
+only some figures (e.g. decode_long) and --no-fp32 leaves out the fp32/transformers comparison,
+for a narrow run on a busy machine.
 
 Threads: --threads for every side. llama.cpp gets n_threads = n_threads_batch = it; our side gets
 OMP_NUM_THREADS (the C kernels are OpenMP, sharing torch's libgomp; the process restarts itself
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import statistics
@@ -61,6 +66,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.requantize import cached
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
@@ -131,6 +137,11 @@ TIE = 0.05
 # -- ours ----------------------------------------------------------------------------------------
 
 
+def gguf_type_of(path: str) -> str:
+    """The file type in a GGUF file name such as SmolLM2-135M-Instruct.Q4_K_M.gguf."""
+    return Path(path).stem.rsplit(".", 1)[-1]
+
+
 def build_engine(config: EngineConfig, weight_quant: str, kv_cache_dtype: str) -> LLMEngine:
     runner = ModelRunner(
         config.model,
@@ -139,6 +150,7 @@ def build_engine(config: EngineConfig, weight_quant: str, kv_cache_dtype: str) -
         cache_dir=config.cache_dir,
         weight_quant=weight_quant,
         kv_cache_dtype=kv_cache_dtype,
+        int8_activations=config.int8_activations,
     )
     return LLMEngine(config, runner=runner)
 
@@ -663,6 +675,17 @@ def main() -> None:
         help="comma-separated KV dtypes of more GGUF engines of ours, each against llama.cpp",
     )
     parser.add_argument(
+        "--gguf-type",
+        default=None,
+        help="the packaged model requantized by llama.cpp (Q4_K_M, Q5_K_M, ...; bench/requantize"
+        ".py) for both GGUF sides, instead of its own Q4_1 file; needs --no-fp32",
+    )
+    parser.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="also ours GGUF with int8 decode activations (as llama.cpp) against llama.cpp",
+    )
+    parser.add_argument(
         "--figures", default=",".join(FIGURES), help=f"comma-separated subset of {FIGURES}"
     )
     parser.add_argument(
@@ -675,11 +698,13 @@ def main() -> None:
     for name in args.figures:
         if name not in FIGURES:
             raise SystemExit(f"unknown figure {name!r}; choose from {FIGURES}")
+    if args.gguf_type and not args.no_fp32:
+        raise SystemExit("--gguf-type compares the GGUF sides only: add --no-fp32")
     pin_threads(args.threads)
     sizes = resolve_sizes(args)
 
     settings = get_settings()
-    model_path = str(packaged_llm_path())
+    model_path = str(cached(args.gguf_type) if args.gguf_type else packaged_llm_path())
     config = EngineConfig(
         model=model_path,
         cache_dir=str(settings.cache_dir / "models"),
@@ -691,7 +716,12 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print("loading: ours gguf, ours fp32, transformers fp32, llama.cpp", file=sys.stderr)
     gguf = build_engine(config, "gguf", args.kv_cache_dtype)
-    more_gguf = {dtype: build_engine(config, "gguf", dtype) for dtype in args.also_kv_dtypes}
+    more_gguf = {
+        f"gguf_kv_{dtype}": build_engine(config, "gguf", dtype) for dtype in args.also_kv_dtypes
+    }
+    if args.int8_activations:
+        q8_config = dataclasses.replace(config, int8_activations=True)
+        more_gguf["gguf_int8_act"] = build_engine(q8_config, "gguf", args.kv_cache_dtype)
     fp32 = None if args.no_fp32 else build_engine(config, "none", "float32")
     transformers_model = None if args.no_fp32 else load_transformers()
     llama = start_llama_cpp(args, sizes, model_path)
@@ -751,8 +781,8 @@ def run(
     sides: dict[str, dict[str, object]] = {
         "gguf_vs_llama_cpp": {"ours": Ours(gguf), "theirs": llama}
     }
-    for dtype, engine in more_gguf.items():
-        sides[f"gguf_kv_{dtype}_vs_llama_cpp"] = {"ours": Ours(engine), "theirs": llama}
+    for name, engine in more_gguf.items():
+        sides[f"{name}_vs_llama_cpp"] = {"ours": Ours(engine), "theirs": llama}
     if fp32 is not None:
         sides["fp32_vs_transformers"] = {
             "ours": Ours(fp32),
@@ -769,12 +799,15 @@ def run(
 
     labels = {k: label.format(**sizes) for k, label, _, _ in METRICS}
     engines = {"gguf_vs_llama_cpp": gguf} | {
-        f"gguf_kv_{dtype}_vs_llama_cpp": engine for dtype, engine in more_gguf.items()
+        f"{name}_vs_llama_cpp": engine for name, engine in more_gguf.items()
     }
     comparisons = {
         name: {
-            "label": f"GGUF Q4_1, KV {str(engine.runner.kv_dtype).removeprefix('torch.')}",
-            "ours": "ours (gguf blocks)",
+            "label": f"GGUF {gguf_type_of(engine.runner.model_path)}, KV "
+            f"{str(engine.runner.kv_dtype).removeprefix('torch.')}"
+            + (", int8 activations" if engine.runner.int8_activations else ""),
+            "ours": "ours (gguf blocks"
+            + (", int8 activations)" if engine.runner.int8_activations else ")"),
             "theirs": "llama.cpp",
             "peer": llama.info if isinstance(llama, LlamaCpp) else llama,
             "metrics": summarize_metrics(samples[name], peer_missing),
@@ -816,9 +849,9 @@ def run(
         greedy["gguf_vs_fp32"] = greedy_agreement(
             [t for n in decodes for t in ours_gguf[n]], [t for n in decodes for t in ours_fp32[n]]
         )
-    for dtype in more_gguf:
-        other = tokens[f"gguf_kv_{dtype}_vs_llama_cpp"]["ours"]
-        greedy[f"gguf_kv_{dtype}_vs_gguf"] = greedy_agreement(
+    for name in more_gguf:
+        other = tokens[f"{name}_vs_llama_cpp"]["ours"]
+        greedy[f"{name}_vs_gguf"] = greedy_agreement(
             [t for n in decodes for t in other[n]], [t for n in decodes for t in ours_gguf[n]]
         )
     runner = gguf.runner
@@ -843,10 +876,11 @@ def run(
                 "dtype": str(engine.runner.dtype),
                 "kv_dtype": str(engine.runner.kv_dtype),
                 "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+                "int8_activations": engine.runner.int8_activations,
             }
             for name, engine in (
                 ("gguf", gguf),
-                *((f"gguf_kv_{d}", e) for d, e in more_gguf.items()),
+                *more_gguf.items(),
                 *((("fp32", fp32),) if fp32 is not None else ()),
             )
         },

@@ -7,34 +7,16 @@ it); without it these tests skip, and tests/kernels covers Q4_K with blocks writ
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from prefixrag.app.core.settings import packaged_llm_path
+from bench.requantize import PeerMissing, requantize
 from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
 from prefixrag.engine.weights.gguf_loader import load_gguf
 from prefixrag.kernels.block_quant_matmul import block_quant_dequantize
 from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
-
-ROOT = Path(__file__).resolve().parents[2]
-PEERS_VENV = Path(os.environ.get("PREFIXRAG_PEERS_VENV", ROOT / ".venv-peers"))
-# requantizing the packaged Q4_1 file is what llama-quantize --allow-requantize does
-QUANTIZE = """
-import ctypes, sys, llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + sys.argv[3])
-params.allow_requantize = True
-params.nthread = 1
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
-                                        ctypes.byref(params)))
-"""
-
 
 # the file type, and the types of its 1,536-wide ffn_down (a K-quant and Q6_K in places)
 FILE_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}
@@ -43,15 +25,11 @@ KIND_OF = {"Q4_K": "q4", "Q5_K": "q8m", "Q6_K": "q8_16"}
 
 @pytest.fixture(scope="module", params=list(FILE_TYPES))
 def k_quant_path(request, tmp_path_factory) -> str:
-    python = PEERS_VENV / "bin" / "python"
-    if not python.is_file():
-        pytest.skip(f"no llama.cpp peer venv at {PEERS_VENV} (bash bench/setup_peers.sh)")
     out = tmp_path_factory.mktemp("k_quants") / f"model.{request.param}.gguf"
-    done = subprocess.run(
-        [str(python), "-c", QUANTIZE, str(packaged_llm_path()), str(out), request.param],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    try:
+        requantize(request.param, out)
+    except PeerMissing as err:
+        pytest.skip(str(err))
     return str(out)
 
 
