@@ -55,6 +55,15 @@ def new_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def greedy_token_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, a NaN counting as the largest). On CPU
+    through numpy, whose vectorized argmax takes 5 us on a 49,152-token row where torch's takes
+    40: at batch 1 that is most of the sampler's share of a decode step. Same answer either way."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.contiguous().numpy().argmax(axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 class Sampler:
     """Every row's logits first get its bias and penalties (engine/penalties.py); then greedy
     rows are an argmax and the others go through temperature, top-k, min-p and top-p.
@@ -92,7 +101,7 @@ class Sampler:
         if logits.shape[0] != len(params) or len(seq_ids) != len(params):
             raise ValueError("one row of logits, one seq id and one SamplingParams per sequence")
         adjusted = self._counts.apply(logits, seq_ids, params)
-        token_ids = torch.argmax(adjusted, dim=-1).tolist()
+        token_ids = greedy_token_ids(adjusted)
         errors: dict[int, Exception] = {}
         for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
             if p.temperature > 0:

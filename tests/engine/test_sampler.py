@@ -206,3 +206,17 @@ def test_a_failed_row_has_no_logprobs_and_the_others_keep_theirs():
         _FailingFor({5}).sample_with_logprobs(x, [4, 5], [p, p])
     assert info.value.logprobs[1] is None
     assert info.value.logprobs[0] is not None and len(info.value.logprobs[0].top) == 2
+
+
+def test_greedy_token_ids_is_torch_argmax_ties_nan_and_inf_included():
+    from prefixrag.engine.sampler import greedy_token_ids
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 1000, generator=gen)
+    logits[1, [3, 700]] = 50.0  # a tie: the first wins
+    logits[2, 10] = float("nan")  # NaN counts as the largest
+    logits[2, 20] = float("nan")
+    logits[3] = float("-inf")  # every token masked out
+    logits[4, 999] = float("inf")
+    for rows in (logits, logits[2:3], logits[:, ::2]):  # a non-contiguous view too
+        assert greedy_token_ids(rows) == torch.argmax(rows, dim=-1).tolist()
