@@ -121,6 +121,16 @@ class BlockManager:
         capacity = (len(seq.block_ids) + self.num_allocatable_blocks) * self.block_size
         return capacity - seq.num_computed_tokens
 
+    def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """``grow`` when it would succeed and return True; else change nothing, return False."""
+        # NOTE: num_blocks_to_grow inlined, and the evictable blocks of the tree and the chunk
+        # store counted only without a free block: this runs for every decode entering a block
+        needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if needed > self.block_pool.num_free_blocks and needed > self.num_allocatable_blocks:
+            return False
+        self.grow(seq, num_tokens)
+        return True
+
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend the table of ``seq`` to hold ``num_tokens`` tokens, evicting cached leaves
         and then chunk entries when the pool runs dry; raises OutOfBlocksError if even that is

@@ -372,6 +372,20 @@ def test_pinned_blocks_that_leave_no_room_end_a_request_as_length() -> None:
     assert sharer.num_cached_tokens == 12
 
 
+def test_a_lone_decode_left_no_block_by_pinned_ones_ends_as_length() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    system = list(range(1, 10))
+    _, model = run_workload(sched, [(system, SamplingParams(max_tokens=1))])
+    assert sched.cache.pin(system).num_tokens == 8  # two of the four blocks
+    seq = Sequence(5, [20] * 5, SamplingParams(max_tokens=10, ignore_eos=True))
+    sched.add(seq)
+    run_to_end(sched, model)
+    # its ninth token would need a third block, the pool's fifth: it ends there, not preempted
+    assert seq.finish_reason == "length" and seq.num_completion_tokens == 4
+    assert seq.num_preemptions == 0
+    assert seq.block_ids == [] and sched.blocks.num_tracked_seqs == 0
+
+
 def test_preempted_requests_wait_again_and_keep_their_usage() -> None:
     sched = make_scheduler(num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
     model = SimModel(4)
