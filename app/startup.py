@@ -1,12 +1,14 @@
 """Every component loader: database, embedder, vector index (with its start-up check),
 reranker, LLM and the pinned prompt prefix. Each runs on the loader thread and fills in part of
-the AppState; `default_loaders` lists them in dependency order."""
+the AppState; `default_loaders` lists them in dependency order. The index's reads of the corpus
+need no embedder, so they run beside its load (`read_corpus`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
@@ -17,6 +19,8 @@ from prefixrag.app.services.llm import LLMService, engine_config_from_settings, 
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from prefixrag.app.services.remote_engine import RemoteEngine
     from prefixrag.engine.config import EngineConfig
     from prefixrag.retrieval.lexical import LexicalSearch
@@ -33,7 +37,7 @@ def default_loaders(settings: Settings) -> list[ComponentLoader]:
     loaders = [
         ComponentLoader("db", load_db),
         ComponentLoader("embedder", load_embedder),
-        ComponentLoader("index", load_index),
+        ComponentLoader("index", load_index, prefetch=read_corpus, prefetch_needs=("db",)),
         ComponentLoader("reranker", load_reranker, required=False),
     ]
     if settings.load_llm:
@@ -71,11 +75,48 @@ def _evidence_warmer(state: AppState) -> Callable[[list[str]], None] | None:
     return lambda texts: finder.warm(texts, embedder)
 
 
+@dataclass(slots=True, frozen=True)
+class SavedIndex:
+    """The index file as read at start: the index (its dim the file's own), or None when there
+    is no file or it cannot be read (`error` then says why)."""
+
+    index: VectorIndex | None
+    error: Exception | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class CorpusRead:
+    """What loading the index reads before it needs the embedder: the saved index and the ready
+    chunk ids (sorted) of the database."""
+
+    saved: SavedIndex
+    db_ids: np.ndarray
+
+
+def read_corpus(state: AppState) -> CorpusRead:
+    """The index's prefetch (after the db): read the saved index and the ready chunk ids.
+
+    Seconds each at a million chunks, spent mostly in FAISS and SQLite outside the GIL, so they
+    overlap the embedder's load (mostly importing sentence-transformers) instead of following it.
+    """
+    from prefixrag.app.services.index_sync import ready_chunk_ids
+
+    state.require("db")
+    if state.sessions is None:
+        raise NotReadyError("the database must load before the index")
+    saved = read_saved_index(state.settings)
+    with state.sessions() as session:
+        db_ids = ready_chunk_ids(session=session)
+    return CorpusRead(saved, db_ids)
+
+
 def load_index(state: AppState) -> str | None:
     """Open the index, fail interrupted ingests, reconcile with the DB, start the ingest service.
 
-    BM25 searches the database (hybrid mode), which holds the terms with the rows: nothing
-    lexical is built at start, whatever the corpus size.
+    The prefetch (`read_corpus`) has read the index file and the ready ids meanwhile; a failure
+    there fails this loader with the same error as when it ran here. BM25 searches the database
+    (hybrid mode), which holds the terms with the rows: nothing lexical is built at start,
+    whatever the corpus size.
     """
     from prefixrag.app.services.index_sync import fail_interrupted, reconcile_index
     from prefixrag.app.services.ingest import IngestService
@@ -87,9 +128,12 @@ def load_index(state: AppState) -> str | None:
     state.require("db", "embedder")
     if state.sessions is None or state.embedder is None:
         raise NotReadyError("the database and embedder must load before the index")
-    index = open_index(state)
+    read: CorpusRead = state.prefetched("index") or read_corpus(state)
+    index = checked_index(state, read.saved)
     fail_interrupted(sessions=state.sessions)
-    reconcile_index(sessions=state.sessions, index=index, embedder=state.embedder)
+    reconcile_index(
+        sessions=state.sessions, index=index, embedder=state.embedder, db_ids=read.db_ids
+    )
     settings = state.settings
     # one analyzer writes the terms and analyzes the queries
     analyzer = Analyzer()
@@ -137,24 +181,45 @@ def make_retriever(
 def open_index(state: AppState) -> VectorIndex:
     """The persisted index, or a new empty one if none exists or it cannot be read; temp files
     of saves that a crash cut short are deleted first."""
+    return checked_index(state, read_saved_index(state.settings))
+
+
+def read_saved_index(settings: Settings) -> SavedIndex:
+    """Delete the temp files of saves that a crash cut short, then read the index file, if any,
+    with the dim it holds (no embedder needed). Never raises for a file it cannot read."""
     from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 
-    if state.embedder is None:
-        raise NotReadyError("the embedder must load before the index")
-    settings = state.settings
     path = settings.index_path
     path.parent.mkdir(parents=True, exist_ok=True)
     for leftover in remove_partial_saves(path):
         logger.warning("deleted %s, left by an index save that did not finish", leftover)
+    if not path.exists():
+        return SavedIndex(None)
+    try:
+        return SavedIndex(VectorIndex.open(path, None, **index_options(settings)))
+    except Exception as exc:
+        return SavedIndex(None, exc)
+
+
+def checked_index(state: AppState, saved: SavedIndex) -> VectorIndex:
+    """The saved index if it holds vectors of the embedder's dim, else a new empty one (the
+    reconcile step that follows rebuilds it from the database)."""
+    from prefixrag.retrieval.vector_index import VectorIndex
+
+    if state.embedder is None:
+        raise NotReadyError("the embedder must load before the index")
     dim = state.embedder.dim
-    options = index_options(settings)
-    if path.exists():
+    path = state.settings.index_path
+    error = saved.error
+    if saved.index is not None:
         try:
-            return VectorIndex.open(path, dim, **options)
-        except Exception:
-            # The reconcile step that follows rebuilds it from the database.
-            logger.exception("cannot read the vector index at %s; starting a new one", path)
-    return VectorIndex(dim, path=path, **options)
+            saved.index.require_dim(dim)
+            return saved.index
+        except ValueError as exc:
+            error = exc
+    if error is not None:
+        logger.error("cannot read the vector index at %s; starting a new one", path, exc_info=error)
+    return VectorIndex(dim, path=path, **index_options(state.settings))
 
 
 def index_options(settings: Settings) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Each component (db, embedder, index, reranker, and whatever others register) has a status in
 `components`: "loading", "ok", "unavailable: <why>" or "error: <why>". Loaders run in order on
-one background thread, so the process answers /healthz at once while models load.
+one background thread, so the process answers /healthz at once while models load. A loader's
+`prefetch` (work that needs fewer components than its `load`) runs on a thread of its own beside
+the loaders before it, once the components it names in `prefetch_needs` are "ok".
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
@@ -43,15 +46,21 @@ class ComponentLoader:
     """Loads one component into the state; `load` returns its status (None means "ok").
 
     A required component that is not "ok" keeps /readyz at 503; an optional one only reports.
+    `prefetch`, when set, starts on its own thread as soon as every component in
+    `prefetch_needs` is "ok", and `load` collects its result with `AppState.prefetched`.
     """
 
     name: str
     load: Callable[[AppState], str | None]
     required: bool = True
+    prefetch: Callable[[AppState], Any] | None = None
+    prefetch_needs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a component loader needs a name")
+        if self.prefetch_needs and self.prefetch is None:
+            raise ValueError(f"loader {self.name!r} names prefetch_needs but has no prefetch")
 
 
 class AppState:
@@ -86,6 +95,7 @@ class AppState:
         self._lock = threading.Lock()
         self._loaded = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prefetches: dict[str, Future[Any]] = {}
         for loader in loaders:
             self.add_loader(loader)
 
@@ -138,13 +148,25 @@ class AppState:
         return self._thread
 
     def load_all(self, names: set[str] | None = None) -> None:
-        """Run the loaders (all, or those in `names`) in order, here and now."""
+        """Run the loaders (all, or those in `names`) in order, here and now, and the prefetches
+        of those loaders beside them; returns once every prefetch it started has finished."""
+        selected = [loader for loader in self.loaders if names is None or loader.name in names]
         try:
-            for loader in self.loaders:
-                if names is None or loader.name in names:
-                    self._run_loader(loader)
+            self._start_prefetches(selected)
+            for loader in selected:
+                self._run_loader(loader)
+                self._start_prefetches(selected)
         finally:
+            # no prefetch outlives loading, even one whose loader failed before collecting it
+            for future in self._prefetches.values():
+                future.exception()
             self._loaded.set()
+
+    def prefetched(self, name: str) -> Any | None:
+        """The result of loader `name`'s prefetch, once it has finished (re-raising what it
+        raised), or None when it was not started; the loader then does that work itself."""
+        future = self._prefetches.get(name)
+        return None if future is None else future.result()
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until every loader has finished (whatever its outcome); False on timeout."""
@@ -190,6 +212,20 @@ class AppState:
         if self.engine is not None:
             self.engine.dispose()
 
+    def _start_prefetches(self, selected: Sequence[ComponentLoader]) -> None:
+        """Start the prefetch of each selected loader that has not run yet, once its needs are
+        "ok" (a prefetch whose needs fail never starts: its loader reports why)."""
+        for loader in selected:
+            prefetch = loader.prefetch
+            if prefetch is None or loader.name in self._prefetches:
+                continue
+            if self.status(loader.name) != LOADING:
+                continue
+            if all(self.status(need) == OK for need in loader.prefetch_needs):
+                self._prefetches[loader.name] = _start_thread(
+                    f"prefixrag-prefetch-{loader.name}", prefetch, self
+                )
+
     def _run_loader(self, loader: ComponentLoader) -> None:
         try:
             status = loader.load(self) or OK
@@ -201,3 +237,18 @@ class AppState:
             logger.info("%s: ok", loader.name)
         elif loader.required:
             logger.error("%s: %s", loader.name, status)
+
+
+def _start_thread(name: str, fn: Callable[[AppState], Any], state: AppState) -> Future[Any]:
+    """Run `fn(state)` on a new daemon thread; the future holds its result or its exception."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(state))
+        except BaseException as exc:  # NOTE: handed to whoever collects the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

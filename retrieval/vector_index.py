@@ -79,11 +79,18 @@ class VectorIndex:
         self._gpu_resources: Any = None
 
     @classmethod
-    def open(cls, path: Path, dim: int, **kwargs: Any) -> VectorIndex:
-        """The index saved at `path`, or an empty one if there is no file yet."""
+    def open(cls, path: Path, dim: int | None, **kwargs: Any) -> VectorIndex:
+        """The index saved at `path`, or an empty one if there is no file yet. dim=None takes
+        the file's own dim (the file must exist); callers check it later with `require_dim`."""
+        path = Path(path)
+        if dim is None:
+            loaded = faiss.read_index(str(path))
+            index = cls(loaded.d, path=path, **kwargs)
+            index._adopt(loaded, path)
+            return index
         index = cls(dim, path=path, **kwargs)
-        if Path(path).exists():
-            index._load(Path(path))
+        if path.exists():
+            index._adopt(faiss.read_index(str(path)), path)
         return index
 
     # state
@@ -92,6 +99,11 @@ class VectorIndex:
     def is_trained_ivf(self) -> bool:
         """True once kind="ivf" has trained its clusters (before that it searches exactly)."""
         return index_kind_of(self._index) == "ivf"
+
+    def require_dim(self, dim: int) -> None:
+        """Raise ValueError unless this index holds vectors of `dim` dimensions."""
+        if self.dim != dim:
+            raise ValueError(f"index file {self.path} has dim {self.dim}, expected {dim}")
 
     def __len__(self) -> int:
         with self._lock:
@@ -281,8 +293,7 @@ class VectorIndex:
                 return self._index
         return self._gpu_index
 
-    def _load(self, path: Path) -> None:
-        loaded = faiss.read_index(str(path))
+    def _adopt(self, loaded: Any, path: Path) -> None:
         if loaded.d != self.dim:
             raise ValueError(f"index file {path} has dim {loaded.d}, expected {self.dim}")
         found = index_kind_of(loaded)

@@ -112,6 +112,12 @@ def test_save_and_reopen_round_trip(tmp_path: Path, data, kind: str) -> None:
     np.testing.assert_array_equal(before[1], after[1])
     with pytest.raises(ValueError, match="dim"):
         VectorIndex.open(path, DIM + 1)
+    # dim=None reads the file's own; the caller checks it once it knows what it wants
+    own = VectorIndex.open(path, None, kind=kind, nlist=8, nprobe=8, use_gpu="no")
+    assert own.dim == DIM and set(own.ids()) == set(ids)
+    own.require_dim(DIM)
+    with pytest.raises(ValueError, match=f"has dim {DIM}, expected {DIM + 1}"):
+        own.require_dim(DIM + 1)
 
 
 def test_failed_save_leaves_old_file_intact(tmp_path: Path, data, monkeypatch) -> None:
