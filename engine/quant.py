@@ -16,6 +16,7 @@ batches, which is up to ~15% faster at 512+ rows, would break that.)
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixrag.kernels.block_quant_matmul import (
+    MAX_K,
+    QBLOCK,
     BlockQuantWeight,
     block_quant_dequantize,
     block_quant_matmul,
+    fixed_order_matmul,
     q8_activations_fast,
 )
 from prefixrag.kernels.native_build import NativeBuildError, load_library
@@ -106,7 +110,13 @@ def linear(
     weight: torch.Tensor | Int8Weight | BlockQuantWeight,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear`` for a plain, an :class:`Int8Weight` or a :class:`BlockQuantWeight` matrix."""
+    """``F.linear`` for a plain, an :class:`Int8Weight` or a :class:`BlockQuantWeight` matrix.
+
+    A float32 CPU matmul of up to BLOCK_KERNEL_MAX_ROWS rows (a decode step) runs the block
+    kernel's C loop over the float32 rows (kernels/block_quant_matmul.py's fixed_order_matmul):
+    it streams each weight row once at memory speed, where MKL's GEMV and small GEMM run at a
+    third to a half of it on this path (bench/engine_bench.py's fp32 side). Past that many rows
+    prefill is compute-bound and MKL's GEMM wins, as for block weights."""
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
         if rows <= BLOCK_KERNEL_MAX_ROWS:
@@ -118,7 +128,39 @@ def linear(
     if isinstance(weight, Int8Weight):
         out = weight.matmul(x)
         return out if bias is None else out + bias
+    if _small_float32_cpu_matmul(x, weight):
+        out = fixed_order_matmul(x.reshape(-1, x.shape[-1]), weight)
+        out = out.reshape(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def _small_float32_cpu_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A decode-sized float32 matmul on CPU that the C kernel takes (see linear)."""
+    k = x.shape[-1]
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.numel() // max(k, 1) <= BLOCK_KERNEL_MAX_ROWS
+        and k % QBLOCK == 0
+        and 0 < k <= MAX_K
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and _c_matmul_available()
+    )
+
+
+@functools.cache
+def _c_matmul_available() -> bool:
+    # without a C compiler float32 models still run, through torch alone
+    try:
+        load_library("block_quant_matmul.c")
+    except NativeBuildError as err:
+        log.warning("float32 decode matmuls run in torch (slower): %s", err)
+        return False
+    return True
 
 
 def resolve_weight_quant(

@@ -27,9 +27,14 @@
 /* 4: q4 (4-bit codes, d and m per 32, w = d * code + m); 8: q8 (int8 codes, d per 32,
  * w = d * code); 16: q8_16 (q8 with a d per 16); 9: q8m (int8 codes, d and m per 32, as q4) */
 static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16 || kind == 9; }
+/* Not a block kind: plain float32 rows passed as the codes (no d, no m), for small matmuls
+ * over float32 weights in the same fixed order (fixed_order_matmul in block_quant_matmul.c). */
+#define KIND_F32 32
 /* the kinds with an offset m, and their code bytes per row */
 static inline int has_m(int kind) { return kind == 4 || kind == 9; }
-static inline int64_t code_bytes(int kind, int64_t k) { return kind == 4 ? k / 2 : k; }
+static inline int64_t code_bytes(int kind, int64_t k) {
+    return kind == 4 ? k / 2 : kind == KIND_F32 ? 4 * k : k;
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BQ_SIMD 1
@@ -176,7 +181,7 @@ static inline void row_planes(int kind, const void *codes, const float *d, const
                               const float **mj) {
     const int64_t nb = k / QBLOCK;
     *cj = (const uint8_t *)codes + j * code_bytes(kind, k);
-    *dj = d + j * (kind == 16 ? 2 * nb : nb);
+    *dj = d ? d + j * (kind == 16 ? 2 * nb : nb) : NULL;
     *mj = has_m(kind) ? m + j * nb : NULL;
 }
 
@@ -186,7 +191,9 @@ static inline void expand_row(int kind, const void *codes, const float *d, const
     const void *cj;
     const float *dj, *mj;
     row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
-    if (kind == 4)
+    if (kind == KIND_F32)
+        memcpy(w, cj, (size_t)k * sizeof(float));
+    else if (kind == 4)
         expand_q4((const uint8_t *)cj, dj, mj, k, w);
     else
         expand_q8(kind, (const int8_t *)cj, dj, mj, k, w);
@@ -229,7 +236,10 @@ static inline float dot(const float *x, const float *w, int64_t k) {
  * to dot() over the expanded row, and a block is unpacked once per GROUP rows. */
 static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float *d, const float *m,
                                        int64_t b, vec *w) {
-    if (kind == 4)
+    if (kind == KIND_F32) {
+        const float *row = (const float *)codes + b * QBLOCK;
+        for (int i = 0; i < PIECES; i++) w[i] = vload(row + LANES * i);
+    } else if (kind == 4)
         q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], w);
     else
         q8_pieces((const int8_t *)codes + b * QBLOCK, q8_scale(kind, d, b, 0),
@@ -305,6 +315,8 @@ static inline void bq_matmul_for(int kind, const float *x, const void *codes, co
                 dot_rows_kind(8, x + r0 * k, k, cj, dj, mj, g, res);
             else if (kind == 16)
                 dot_rows_kind(16, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == KIND_F32)
+                dot_rows_kind(KIND_F32, x + r0 * k, k, cj, dj, mj, g, res);
             else
                 dot_rows_kind(9, x + r0 * k, k, cj, dj, mj, g, res);
             for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];

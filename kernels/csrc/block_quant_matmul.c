@@ -78,13 +78,18 @@ int block_quant_dequantize(int kind, const void *codes, const float *d, const fl
 }
 
 /* out[M, N] = x[M, K] @ W[N, K]^T for a float32 W, each dot product in the block kernel's fixed
- * order: over the dequantized matrix this is the block matmul, bit for bit (the tests' yardstick). */
+ * order: over the dequantized matrix this is the block matmul, bit for bit (the tests' yardstick).
+ * It is also the engine's decode matmul over float32 weights: each weight row is read once for
+ * up to four rows of x, where a BLAS GEMV/GEMM this small runs at a fraction of the memory
+ * bandwidth. */
 int fixed_order_matmul(const float *x, const float *w, float *out, int64_t rows, int64_t n,
                        int64_t k) {
-    if (k % QBLOCK != 0) return -1;
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w + j * k, k);
+    if (k % QBLOCK != 0 || k > MAX_K) return -1;
+#pragma omp parallel
+    {
+        float buf[MAX_K] __attribute__((aligned(64)));
+        bq_matmul_for(KIND_F32, x, w, NULL, NULL, out, rows, n, k, buf);
+    }
     return 0;
 }
 

@@ -246,3 +246,21 @@ def test_block_weights_leave_out_matrices_the_kernel_cannot_take(monkeypatch):
     some = gguf_blocks.load_gguf_block_weights(packaged_llm_path(), config)
     assert not any(name.endswith("down_weight") for name in some)
     assert set(some) == {n for n in all_blocks if not n.endswith("down_weight")}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_float32_linear_takes_the_fixed_order_kernel_up_to_16_rows(rows):
+    from prefixrag.engine.quant import linear
+    from prefixrag.kernels.block_quant_matmul import fixed_order_matmul
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(70, 96, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    x = torch.randn(1, rows, 96, generator=gen)
+    out = linear(x, weight, bias)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    fixed = fixed_order_matmul(x[0], weight) + bias
+    # decode-sized: the C kernel's bits, whatever rows share the call; a prefill: MKL's GEMM
+    assert torch.equal(out[0], fixed) == (rows <= 16)
+    if rows <= 16:
+        assert torch.equal(linear(x[:, :1], weight, bias)[0, 0], out[0, 0])
