@@ -592,7 +592,9 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(names))
     right.bar([i - 0.2 for i in x], cold, 0.4, color="#888", label="cold")
     right.bar([i + 0.2 for i in x], warm, 0.4, color="#2a7", label="warm (prefix cached)")
-    right.set_xticks(list(x), names, fontsize=8, rotation=15)
+    # one line per word group: "ours (gguf blocks, int8 activations)" would run into its neighbours
+    names = [n.replace(" (", "\n(").replace(", ", ",\n") for n in names]
+    right.set_xticks(list(x), names, fontsize=7)
     right.set_yscale("log")
     right.set_ylabel("TTFT (ms, log)")
     s = result["sizes"]

@@ -45,7 +45,7 @@ def requantize(file_type: str, out: Path, source: Path | None = None) -> Path:
     """``source`` (default: the packaged model) as ``file_type`` (Q4_K_M, Q5_K_M, Q8_0, ...)
     at ``out``, written to a temporary name first so that a failed run leaves nothing behind.
     Raises PeerMissing without the peer venv, RuntimeError if llama.cpp fails."""
-    source = source or packaged_llm_path()
+    source = source or Path(packaged_llm_path())
     tmp = out.with_name(out.name + ".partial")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
@@ -61,7 +61,7 @@ def requantize(file_type: str, out: Path, source: Path | None = None) -> Path:
 
 def cached(file_type: str) -> Path:
     """The packaged model as ``file_type`` in bench/.cache, made once."""
-    out = CACHE / f"{packaged_llm_path().stem.rsplit('.', 1)[0]}.{file_type}.gguf"
+    out = CACHE / f"{Path(packaged_llm_path()).stem.rsplit('.', 1)[0]}.{file_type}.gguf"
     return out if out.is_file() else requantize(file_type, out)
 
 

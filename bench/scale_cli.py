@@ -26,6 +26,8 @@ def run_in_tmp(
     """Run the bench in a temporary dir under --tmp, write its report with the arguments to
     `results` and print it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.tmp is not None:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         report = run(args, Path(tmp))
     report["args"] = vars(args)
