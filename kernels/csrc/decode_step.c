@@ -204,12 +204,16 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
             }
             matmul_for(sh, &ly->gate_up, sc->h, q, sc->gate_up, rows, 2 * sh->inter, hidden, w);
             const int64_t inter = sh->inter;
+            /* element by element, not row by row: at batch 1 one thread ran all the row's expf
+             * calls while the others waited at the barrier */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                const float *g = sc->gate_up + r * 2 * inter, *u = g + inter;
-                for (int64_t j = 0; j < inter; j++)
-                    sc->act[r * inter + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-                if (sh->act_q8) { /* this row's activations are whole here */
+            for (int64_t e = 0; e < rows * inter; e++) {
+                const float *g = sc->gate_up + (e / inter) * 2 * inter + e % inter;
+                sc->act[e] = g[0] / (1.0f + expf(-g[0])) * g[inter];
+            }
+            if (sh->act_q8) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++) {
                     q[r] = q8_row_at(q_buf + r * q_stride, inter);
                     quantize_row_q8(sc->act + r * inter, inter, q + r);
                 }
