@@ -148,19 +148,8 @@ def _small_float32_cpu_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and k % QBLOCK == 0
         and 0 < k <= MAX_K
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and _c_matmul_available()
+        and _block_kernel_builds()
     )
-
-
-@functools.cache
-def _c_matmul_available() -> bool:
-    # without a C compiler float32 models still run, through torch alone
-    try:
-        load_library("block_quant_matmul.c")
-    except NativeBuildError as err:
-        log.warning("float32 decode matmuls run in torch (slower): %s", err)
-        return False
-    return True
 
 
 def resolve_weight_quant(
@@ -190,13 +179,28 @@ def resolve_weight_quant(
     return weight_quant
 
 
+@functools.cache
 def _block_kernel_builds() -> bool:
+    # without a C compiler every model still runs, through torch alone
     try:
         load_library("block_quant_matmul.c")
     except NativeBuildError as err:
-        log.warning("no C compiler for the GGUF block kernels, weights load as float32: %s", err)
+        log.warning(
+            "no C compiler for the block kernels: GGUF weights load as float32 and float32 "
+            "decode matmuls run in torch (slower): %s",
+            err,
+        )
         return False
     return True
+
+
+def _block_weights(model: nn.Module) -> list[BlockQuantWeight]:
+    return [
+        value
+        for module in model.modules()
+        for value in vars(module).values()
+        if isinstance(value, BlockQuantWeight)
+    ]
 
 
 def quantize_model_(model: nn.Module) -> None:
@@ -230,12 +234,7 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
     cost per step that no prefix or chunk reuse can remove, and the larger share of a short
     prefill's time. Decode keeps reading the blocks (a fifth of the bytes).
     """
-    weights = [
-        value
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, BlockQuantWeight)
-    ]
+    weights = _block_weights(model)
     total = sum(w.shape[0] * w.shape[1] * 4 for w in weights)
     if not weights or total > max_bytes:
         return 0
@@ -249,12 +248,7 @@ def use_int8_activations_(model: nn.Module) -> bool:
     (kernels/csrc/q8_act.h); False, changing nothing, when the model has no block weights.
     Warns where the host lacks AVX-512 VNNI: there the int8 path is portable C, slower than
     float32."""
-    weights = [
-        value
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, BlockQuantWeight)
-    ]
+    weights = _block_weights(model)
     if not weights:
         log.warning("int8_activations asked for, but the model has no GGUF block weights")
         return False

@@ -179,12 +179,10 @@ static inline float q8a_dot_portable(int kind, const q8_row *x, int64_t k, const
 }
 
 #if defined(Q8A_VNNI)
+/* reduce_lanes' order: (l, l+8) here, then hsum8's (l, l+4), (l, l+2), (l, l+1) */
 static ALWAYS_INLINE float reduce_lanes16(__m512 a) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
 
 /* the pair's codes as unsigned bytes in pair order (see pair_codes) */

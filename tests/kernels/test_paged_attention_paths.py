@@ -9,11 +9,8 @@ import pytest
 import torch
 
 from prefixrag.kernels import cpu_ops
-from prefixrag.kernels.native_build import DEFAULT_FLAGS
 from tests.kernels.paged_batch import make_paged_batch, naive_attention
-
-AVX2_FLAGS = (*DEFAULT_FLAGS, "-mno-avx512f")
-PATHS = {"native": DEFAULT_FLAGS, "avx2": AVX2_FLAGS, "portable": (*AVX2_FLAGS, "-mno-avx2")}
+from tests.kernels.test_block_quant_matmul import ALL_FLAGS as PATHS
 
 SHAPES = [
     (9, 3, 64),  # SmolLM2: every vector loop, d a multiple of 64

@@ -16,9 +16,9 @@ from prefixrag.kernels.block_quant_matmul import (
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
+from tests.kernels.test_block_quant_matmul import PORTABLE_FLAGS as PORTABLE
 from tests.kernels.test_block_quant_matmul import random_gguf_blocks
 
-PORTABLE = (*DEFAULT_FLAGS, "-mno-avx512f", "-mno-avx2")
 # every kind: q4 (Q4_1, Q4_K), q8 (Q8_0), q8_16 (Q6_K), q8m (Q5_1); K with an odd number of
 # blocks ends in a half pair
 CASES = [
