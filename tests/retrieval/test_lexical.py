@@ -28,10 +28,15 @@ CORPUS = {
 
 
 def reference_bm25(
-    query: list[str], docs: dict[int, list[str]], k1: float = 1.2, b: float = 0.75
+    query: list[str],
+    docs: dict[int, list[str]],
+    k1: float = 1.2,
+    b: float = 0.75,
+    lucene_idf: bool = False,
 ) -> dict[int, float]:
     """FTS5's BM25, written out term by term for tiny corpora: idf = ln((N - df + 0.5) /
-    (df + 0.5)) floored at 1e-6, a query term counted once per occurrence; only matching docs."""
+    (df + 0.5)) floored at 1e-6, a query term counted once per occurrence; only matching docs.
+    `lucene_idf`: tantivy's (and Lucene's) idf, ln(1 + (N - df + 0.5) / (df + 0.5)), instead."""
     n = len(docs)
     avg = sum(len(d) for d in docs.values()) / n
     out = {}
@@ -43,7 +48,8 @@ def reference_bm25(
                 continue
             matched = True
             df = sum(term in d for d in docs.values())
-            idf = max(math.log((n - df + 0.5) / (df + 0.5)), 1e-6)
+            ratio = (n - df + 0.5) / (df + 0.5)
+            idf = math.log1p(ratio) if lucene_idf else max(math.log(ratio), 1e-6)
             total += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(words) / avg))
         if matched:
             out[doc_id] = total
