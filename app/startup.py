@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,8 +22,10 @@ from prefixrag.app.state import AppState, ComponentLoader
 if TYPE_CHECKING:
     import numpy as np
 
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
     from prefixrag.app.services.remote_engine import RemoteEngine
     from prefixrag.engine.config import EngineConfig
+    from prefixrag.retrieval.analyzer import Analyzer
     from prefixrag.retrieval.lexical import LexicalSearch
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
@@ -137,8 +140,11 @@ def load_index(state: AppState) -> str | None:
     settings = state.settings
     # one analyzer writes the terms and analyzes the queries
     analyzer = Analyzer()
-    lexical = None
-    if settings.retrieval_mode == "hybrid":
+    lexical: LexicalSearch | None = None
+    if settings.retrieval_mode == "hybrid" and settings.lexical_engine == "tantivy":
+        state.lexical_side = open_tantivy_lexical(state, analyzer, read.db_ids)
+        lexical = state.lexical_side
+    elif settings.retrieval_mode == "hybrid":
         lexical = DatabaseLexicalIndex(state.sessions, analyzer)
     chunker = Chunker(state.embedder.count_tokens, settings.chunk_tokens, settings.chunk_overlap)
     state.index = index
@@ -154,10 +160,37 @@ def load_index(state: AppState) -> str | None:
         queue_size=settings.ingest_queue_size,
         analyzer=analyzer,
         on_ready=_evidence_warmer(state),
+        lexical_side=state.lexical_side,
     )
     # First-stage order until the reranker loader swaps in a reranking retriever.
     state.retriever = make_retriever(state, index, None, lexical)
     return None
+
+
+def open_tantivy_lexical(
+    state: AppState, analyzer: Analyzer, db_ids: np.ndarray
+) -> TantivyLexicalIndex:
+    """The tantivy BM25 index of the data dir, made to hold exactly the ready chunks (built from
+    the rows when it is new, and repaired after a crash). A directory tantivy cannot open is
+    set aside and rebuilt: it is derived data, and the rows still hold every term."""
+    from prefixrag.app.services.index_sync import reconcile_lexical
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+
+    if state.sessions is None:
+        raise NotReadyError("the database must load before the index")
+    path = state.settings.lexical_index_dir
+    try:
+        store = TantivyLexical(path)
+    except ValueError as exc:  # tantivy's error for a directory it cannot read
+        aside = path.with_name(f"{path.name}.unreadable")
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        logger.warning("could not open %s (%s); moved it to %s and rebuilding", path, exc, aside)
+        store = TantivyLexical(path)
+    lexical = TantivyLexicalIndex(state.sessions, store, analyzer)
+    reconcile_lexical(sessions=state.sessions, lexical=lexical, db_ids=db_ids)
+    return lexical
 
 
 def make_retriever(

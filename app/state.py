@@ -28,6 +28,7 @@ from prefixrag.retrieval.evidence import EvidenceFinder
 if TYPE_CHECKING:
     from prefixrag.app.prompt.builder import PromptBuilder
     from prefixrag.app.services.ingest import IngestService
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
     from prefixrag.app.services.llm import LLMService
     from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.embedder import Embedder
@@ -83,6 +84,7 @@ class AppState:
         self.retriever: Retriever | None = None
         self.scopes: ScopeCache | None = None  # searches' allowed chunk ids, kept by ingest
         self.ingest: IngestService | None = None
+        self.lexical_side: TantivyLexicalIndex | None = None  # settings.lexical_engine "tantivy"
         self.llm: LLMService | None = None
         self.prompts: PromptBuilder | None = None
         # held for the process: it caches each chunk's sentence vectors
@@ -207,6 +209,8 @@ class AppState:
             self._thread.join(timeout=5)
         if self.ingest is not None:
             self.ingest.close(wait=True, cancel_pending=True)
+        if self.lexical_side is not None:
+            self.lexical_side.store.close()  # its directory's writer lock, once merges end
         if self.llm is not None:
             self.llm.engine.shutdown()
         if self.engine is not None:

@@ -8,12 +8,16 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixrag.app.cli.ask import register_ask
 from prefixrag.app.cli.keys import register_keys
 from prefixrag.app.cli.models import register_models
+from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.core.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from prefixrag.app.state import AppState
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 Registrar = Callable[[Subparsers], None]
@@ -131,10 +135,13 @@ def collect_files(paths: Sequence[Path]) -> Iterator[Path]:
 
 
 def register_index(subparsers: Subparsers) -> None:
-    """`index rebuild`: re-embed every ready chunk into a fresh vector index."""
+    """`index rebuild`: re-embed every ready chunk into a fresh vector index (and analyze them
+    into a fresh tantivy BM25 index, when settings.lexical_engine asks for one)."""
     parser = subparsers.add_parser("index", help="vector index maintenance")
     actions = parser.add_subparsers(dest="index_action", required=True)
-    rebuild = actions.add_parser("rebuild", help="rebuild the vector index from the database")
+    rebuild = actions.add_parser(
+        "rebuild", help="rebuild the vector index (and a tantivy BM25 index) from the database"
+    )
     rebuild.set_defaults(handler=_index_rebuild)
 
 
@@ -152,10 +159,31 @@ def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
         num_vectors = rebuild_index(
             sessions=state.sessions, index=open_index(state), embedder=state.embedder
         )
+        print(f"rebuilt the vector index: {num_vectors} vectors")
+        if settings.lexical_engine == "tantivy":
+            num_chunks = _rebuild_tantivy(state)
+            print(f"rebuilt the tantivy BM25 index: {num_chunks} chunks")
     finally:
         state.close()
-    print(f"rebuilt the vector index: {num_vectors} vectors")
     return 0
+
+
+def _rebuild_tantivy(state: AppState) -> int:
+    from prefixrag.app.services.index_sync import reconcile_lexical
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.retrieval.analyzer import Analyzer
+    from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+
+    if state.sessions is None:
+        raise NotReadyError("the database must load before the index")
+    # a running server holds the index's writer lock: tantivy refuses, and nothing is touched
+    store = TantivyLexical(state.settings.lexical_index_dir)
+    try:
+        store.reset()
+        lexical = TantivyLexicalIndex(state.sessions, store, Analyzer())
+        return reconcile_lexical(sessions=state.sessions, lexical=lexical).num_db_ids
+    finally:
+        store.close()
 
 
 COMMANDS: tuple[Registrar, ...] = (

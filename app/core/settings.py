@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     retrieval_mode: Literal["dense", "hybrid"] = "hybrid"
     hybrid_bm25_weight: float = Field(1.0, ge=0.0, le=100.0)
     hybrid_rrf_k: float = Field(30.0, ge=0.0, le=1000.0)
+    # where hybrid mode's BM25 runs: the database's own text search (FTS5 / tsvector, written
+    # with the rows), or a tantivy index derived from them, which skips what cannot reach the
+    # top k: the choice for libraries of hundreds of thousands of chunks (bench/hybrid_bench.py)
+    lexical_engine: Literal["database", "tantivy"] = "database"
     # auto: exact (flat) up to index_ann_min_vectors, then an IVF index trained once on what it
     # holds, which later vectors join without a retrain (bench/ann_bench.py measures it)
     index_kind: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
@@ -158,6 +162,10 @@ class Settings(BaseSettings):
     @property
     def index_path(self) -> Path:
         return self.index_dir / "chunks.faiss"
+
+    @property
+    def lexical_index_dir(self) -> Path:
+        return self.index_dir / "lexical.tantivy"
 
     @property
     def cache_dir(self) -> Path:

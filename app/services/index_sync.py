@@ -1,5 +1,6 @@
-"""Keep the vector index equal to the ready chunks: repair FAISS at start (and rebuild it on
-demand). The BM25 terms live in the database with the rows, so they never need this."""
+"""Keep the side indexes equal to the ready chunks: repair FAISS (and a tantivy BM25 index, when
+settings.lexical_engine asks for one) at start, and rebuild them on demand. The database's own
+BM25 terms live with the rows, so they never need this."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.models import Chunk, Document
+from prefixrag.retrieval.lexical import index_terms, searchable_text
 
 if TYPE_CHECKING:
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
     from prefixrag.retrieval.embedder import Embedder
     from prefixrag.retrieval.vector_index import VectorIndex
 
@@ -141,6 +144,51 @@ def _embed_chunks(
             ).all()
             ids = np.asarray([r[0] for r in rows], dtype=np.int64)
             index.add(ids, embedder.encode([r[1] for r in rows]))
+
+
+def reconcile_lexical(
+    *,
+    sessions: sessionmaker[Session],
+    lexical: TantivyLexicalIndex,
+    db_ids: np.ndarray | None = None,
+    batch_size: int = 4096,
+) -> ReconcileReport:
+    """Make the tantivy BM25 index hold exactly the ready chunk ids, as reconcile_index does for
+    the vectors: chunks no ready row owns are dropped, ready rows it lacks (a crash between the
+    two writes, a new or lost index directory) are analyzed from their text and added.
+    `db_ids`: as for reconcile_index."""
+    if db_ids is None:
+        with sessions() as session:
+            db_ids = ready_chunk_ids(session=session)
+    held = lexical.ids()
+    if np.array_equal(held, db_ids):
+        logger.info("tantivy BM25 index is consistent with the database (%d chunks)", len(db_ids))
+        return ReconcileReport(len(db_ids), 0, 0, repaired=False)
+    orphans = np.setdiff1d(held, db_ids, assume_unique=True)
+    missing = np.setdiff1d(db_ids, held, assume_unique=True)
+    logger.warning(
+        "tantivy BM25 index out of sync with the database: %d chunks without a ready row, "
+        "%d ready chunks missing; repairing from the database",
+        len(orphans),
+        len(missing),
+    )
+    lexical.remove(orphans)
+    columns = (Chunk.id, Chunk.text, Chunk.heading, Chunk.document_id, Document.collection_id)
+    with sessions() as session:
+        for start in range(0, len(missing), batch_size):
+            wanted = [int(i) for i in missing[start : start + batch_size]]
+            rows = session.execute(
+                select(*columns).join(Document).where(Chunk.id.in_(wanted))
+            ).all()
+            lexical.store.add(
+                [r[0] for r in rows],
+                [index_terms(lexical.analyzer, searchable_text(r[1], r[2])) for r in rows],
+                document_ids=[r[3] for r in rows],
+                collection_ids=[r[4] for r in rows],
+            )
+            if start and start % (64 * batch_size) == 0:
+                logger.info("tantivy BM25 index: %d of %d chunks added", start, len(missing))
+    return ReconcileReport(len(db_ids), len(orphans), len(missing), repaired=True)
 
 
 def iter_ready_chunks(

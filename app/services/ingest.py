@@ -44,6 +44,7 @@ from prefixrag.retrieval.parsing import (
 )
 
 if TYPE_CHECKING:
+    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
     from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.chunking import Chunk as TextChunk
     from prefixrag.retrieval.chunking import Chunker
@@ -116,12 +117,15 @@ class IngestService:
         queue_size: int = 64,
         analyzer: Analyzer | None = None,
         on_ready: Callable[[list[str]], None] | None = None,
+        lexical_side: TantivyLexicalIndex | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
             raise ValueError("num_workers and queue_size must be at least 1")
         self._sessions = sessions
         self._embedder = embedder
         self._index = index
+        # the tantivy BM25 index (settings.lexical_engine), kept beside the vectors
+        self._lexical_side = lexical_side
         self._analyzer = analyzer if analyzer is not None else Analyzer()
         self._on_ready = on_ready
         self._scopes = scopes
@@ -166,7 +170,8 @@ class IngestService:
 
     def delete(self, document_id: int, tenant: str | None = None) -> None:
         """Remove a document, its chunk rows and their vectors; the index is saved after.
-        The chunks' BM25 terms go with the rows (same delete). With `tenant`, another tenant's
+        The chunks' BM25 terms go with the rows (same delete), and from a tantivy index with
+        the vectors. With `tenant`, another tenant's
         document is not found."""
         with self._sessions() as session:
             doc = session.get(Document, document_id)
@@ -261,6 +266,10 @@ class IngestService:
                 doc = session.get(Document, document_id)
                 if doc is None:
                     raise DocumentNotFoundError(document_id)
+                if self._lexical_side is not None:
+                    self._lexical_side.add(
+                        ids, texts, document_id=document_id, collection_id=doc.collection_id
+                    )
                 doc.status, doc.error = "ready", None
                 scope = (doc.collection.tenant, doc.collection.name)
                 session.commit()
@@ -278,6 +287,8 @@ class IngestService:
     def _remove_from_indexes(self, ids: np.ndarray) -> None:
         self._index.remove(ids)
         self._index.save()
+        if self._lexical_side is not None:
+            self._lexical_side.remove(ids)
 
     def _set_status(self, document_id: int, status: str, error: str | None = None) -> None:
         with self._sessions() as session:

@@ -11,6 +11,7 @@ import pytest
 from prefixrag.app.cli.main import main
 from prefixrag.app.core.settings import Settings
 from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.tantivy_lexical import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids, index_ids
@@ -81,6 +82,27 @@ def test_index_rebuild_recreates_a_lost_index(
     after_scores, after_ids = rebuilt.search(query, 3)
     np.testing.assert_array_equal(after_ids, before_ids)
     np.testing.assert_allclose(after_scores, before_scores, atol=1e-5)
+
+
+def test_index_rebuild_also_rebuilds_a_tantivy_index(
+    tree: Path, settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = settings.model_copy(update={"lexical_engine": "tantivy"})
+    assert main(["ingest", str(tree)], settings) == 0
+    store = TantivyLexical(settings.lexical_index_dir)
+    expected = store.ids().tolist()
+    assert expected  # ingest filled it
+    before = store.search(["ash", "cloud"], 5)
+    assert before[1].size
+    store.add([10**9], [["ash"]], document_ids=[1], collection_ids=[1])  # a stale chunk
+    store.close()
+    assert main(["index", "rebuild"], settings) == 0
+    assert f"rebuilt the tantivy BM25 index: {len(expected)} chunks" in capsys.readouterr().out
+    store = TantivyLexical(settings.lexical_index_dir)
+    assert store.ids().tolist() == expected
+    after = store.search(["ash", "cloud"], 5)
+    assert after[1].tolist() == before[1].tolist()
+    store.close()
 
 
 def test_serve_refuses_fewer_than_one_replica(tmp_path: Path, capsys) -> None:

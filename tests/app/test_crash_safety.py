@@ -1,11 +1,12 @@
 """Crash safety: `kill -9` the real server in the middle of an ingestion or a deletion, restart it
 on the same data dir, and check that the database, its BM25 terms and the FAISS index file still
-agree.
+agree (and the tantivy BM25 index, when the server runs with lexical_engine "tantivy").
 
 The invariants, checked on the stopped server's files (the reference is the database itself):
 no document is left pending/processing; every ready document has chunk ordinals 0..n-1; a
 failed document has a reason and no chunks; the index holds exactly the ready chunk ids; the
-database holds BM25 terms for exactly the chunk rows.
+database holds BM25 terms for exactly the chunk rows; a tantivy index holds exactly the ready
+chunk ids.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prefixrag.app.services.index_sync import reconcile_index
 from prefixrag.app.services.lexical import DatabaseLexicalIndex
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_internals import faiss
+from prefixrag.retrieval.tantivy_lexical import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids
@@ -72,10 +74,13 @@ WORDS = (
 class ServerProcess:
     """`prefixrag serve` as a real subprocess on a free port, its log in `log_path`."""
 
-    def __init__(self, data_dir: Path, database_url: str, log_path: Path) -> None:
+    def __init__(
+        self, data_dir: Path, database_url: str, log_path: Path, lexical_engine: str = "database"
+    ) -> None:
         self.data_dir = data_dir
         self.database_url = database_url
         self.log_path = log_path
+        self.lexical_engine = lexical_engine
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -93,6 +98,7 @@ class ServerProcess:
             "PREFIXRAG_INDEX_USE_GPU": "no",
             "PREFIXRAG_CHUNK_TOKENS": "48",
             "PREFIXRAG_CHUNK_OVERLAP": "8",
+            "PREFIXRAG_LEXICAL_ENGINE": self.lexical_engine,
         }
         command = [_prefixrag(), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         with self.log_path.open("ab") as log:
@@ -158,6 +164,7 @@ class StoreState:
     chunk_ids: dict[int, set[int]]
     index_ids: set[int]
     lexical_ids: set[int]
+    tantivy_ids: set[int] | None  # None: the server ran without one
     partial_saves: list[Path]
 
     def ready_chunk_ids(self) -> set[int]:
@@ -167,8 +174,9 @@ class StoreState:
 
 
 def read_store(data_dir: Path, database_url: str) -> StoreState:
-    """Read documents, chunks and the saved FAISS index straight from disk."""
+    """Read documents, chunks, the saved FAISS index and any tantivy index straight from disk."""
     index_path = Settings(data_dir=data_dir).index_path
+    tantivy_dir = Settings(data_dir=data_dir).lexical_index_dir
     engine = make_engine(database_url)
     try:
         with engine.connect() as conn:
@@ -186,6 +194,7 @@ def read_store(data_dir: Path, database_url: str) -> StoreState:
         chunk_ids={d.id: set() for d in docs},
         index_ids=saved_index_ids(index_path),
         lexical_ids=lexical_ids,
+        tantivy_ids=saved_tantivy_ids(tantivy_dir) if tantivy_dir.exists() else None,
         partial_saves=sorted(index_path.parent.glob(".*")),
     )
     for document_id, chunk_id, ordinal in chunks:
@@ -202,6 +211,11 @@ def saved_index_ids(path: Path) -> set[int]:
     return {int(i) for i in VectorIndex.open(path, dim, use_gpu="no").ids()}
 
 
+def saved_tantivy_ids(path: Path) -> set[int]:
+    # read-only: the server may be running, holding the writer's lock
+    return set(TantivyLexical(path, writable=False).ids().tolist())
+
+
 def assert_consistent(store: StoreState) -> None:
     """The crash-safety invariants that must hold after any restart."""
     for doc, status in store.statuses.items():
@@ -215,6 +229,8 @@ def assert_consistent(store: StoreState) -> None:
     assert store.index_ids == store.ready_chunk_ids()
     # the BM25 terms live with the rows: exactly one per chunk row, whatever the crash
     assert store.lexical_ids == set().union(*store.chunk_ids.values())
+    if store.tantivy_ids is not None:
+        assert store.tantivy_ids == store.ready_chunk_ids()
     assert store.partial_saves == [], "temp files of unfinished index saves were left behind"
 
 
@@ -263,10 +279,13 @@ def assert_same_chunks(before: StoreState, after: StoreState, small: dict[str, d
         assert after.chunk_ids[doc] == before.chunk_ids[doc] <= after.index_ids
 
 
-@pytest.fixture
-def server(tmp_path: Path, database_url: str) -> Iterator[ServerProcess]:
-    """A server process on a fresh data dir and database; stopped after the test."""
-    proc = ServerProcess(tmp_path / "data", database_url, tmp_path / "server.log")
+@pytest.fixture(params=["database", "tantivy"])
+def server(
+    tmp_path: Path, database_url: str, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    """A server process on a fresh data dir and database, with each lexical engine; stopped
+    after the test."""
+    proc = ServerProcess(tmp_path / "data", database_url, tmp_path / "server.log", request.param)
     yield proc
     proc.stop()
 
