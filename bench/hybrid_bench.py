@@ -12,7 +12,12 @@ Measured for tenant "a" with the 500 held-out queries (first `--queries` of them
 - the allowed ids: what search did before (every id of the tenant read from SQL, then an
   IDSelectorBatch) against the cached bitmap (first read, then cached);
 - embed (query), vector (FAISS, filtered), lexical (FTS5 bm25(), filtered in SQL), and the whole
-  app.services.search.search call (embed + both + fusion + loading the hit rows; no reranker).
+  app.services.search.search call (embed + both + fusion + loading the hit rows; no reranker);
+- the same lexical search and whole call with settings.lexical_engine "tantivy" (its index built
+  from the same terms; build time and size reported), and how many of its top K the database
+  store's top K holds. Every copy of a base text has that text's score, so the top K is mostly
+  ties, and which of the tied copies each side keeps is arbitrary: the overlap is reported
+  both by chunk id and by base text.
 Writes bench/results/hybrid_bench.json and prints a summary.
 """
 
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from sqlalchemy import select
+from tqdm import tqdm
 
 from bench.ann_corpus import corpus
 from bench.scale_cli import run_in_tmp, scale_parser
@@ -34,6 +40,7 @@ from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
+from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
 from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.app.startup import index_options
@@ -42,6 +49,7 @@ from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_internals import id_selector
 from prefixrag.retrieval.lexical import index_terms
 from prefixrag.retrieval.pipeline import Retriever
+from prefixrag.retrieval.tantivy_lexical import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex
 
 RESULTS = Path(__file__).parent / "results" / "hybrid_bench.json"
@@ -49,10 +57,25 @@ CHUNKS_PER_DOC = 100
 K = 50  # candidates per side, the service default
 
 
-def fill(db_path: str, texts: list[str], text_of: np.ndarray) -> float:
-    """Write collections, documents, chunks and FTS5 terms with plain SQL; returns seconds."""
+def collection_of(doc_id: int, first: int, num: int) -> int:
+    """Tenant by document (collection 1 or 3: tenant a; 2: tenant b); the first 1% of tenant
+    a's documents are in collection 3, "small"."""
+    collection = 1 if doc_id % 2 == 1 else 2
+    return 3 if collection == 1 and first < num // 50 else collection
+
+
+def analyzed(texts: list[str]) -> list[str]:
+    """Each text's terms as the service stores them (space-joined), each text analyzed once."""
     analyzer = Analyzer()
-    terms = [" ".join(index_terms(analyzer, t)) for t in texts]  # each real text analyzed once
+    return [" ".join(index_terms(analyzer, t)) for t in tqdm(texts, desc="analyze")]
+
+
+def fill(
+    db_path: str, texts: list[str], text_of: np.ndarray, terms: list[str] | None = None
+) -> float:
+    """Write collections, documents, chunks and FTS5 terms with plain SQL; returns seconds.
+    `terms`: `analyzed(texts)` when the caller has it already."""
+    terms = terms if terms is not None else analyzed(texts)
     t0 = time.perf_counter()
     db = sqlite3.connect(db_path)
     now = "2026-01-01 00:00:00"
@@ -64,11 +87,8 @@ def fill(db_path: str, texts: list[str], text_of: np.ndarray) -> float:
     for doc_start in range(0, num, CHUNKS_PER_DOC * 100):
         docs, chunks, fts = [], [], []
         for first in range(doc_start, min(num, doc_start + CHUNKS_PER_DOC * 100), CHUNKS_PER_DOC):
-            doc_id = first // CHUNKS_PER_DOC + 1
-            # ids 1..N; tenant by document; the first 1% of tenant a's documents are "small"
-            collection = 1 if doc_id % 2 == 1 else 2
-            if collection == 1 and first < num // 50:
-                collection = 3
+            doc_id = first // CHUNKS_PER_DOC + 1  # ids 1..N
+            collection = collection_of(doc_id, first, num)
             docs.append((doc_id, collection, f"d{doc_id}", "text/plain", 1, f"{doc_id:064d}",
                          "ready", "{}", now, now))  # fmt: skip
             for row in range(first, min(num, first + CHUNKS_PER_DOC)):
@@ -90,6 +110,37 @@ def fill(db_path: str, texts: list[str], text_of: np.ndarray) -> float:
     db.execute("ANALYZE")
     db.close()
     return time.perf_counter() - t0
+
+
+def build_tantivy(path: Path, terms: list[str], text_of: np.ndarray) -> float:
+    """The tantivy index of the same chunks (what the service's start-up builds from the rows),
+    100,000 chunks per commit; returns seconds."""
+    t0 = time.perf_counter()
+    store = TantivyLexical(path)
+    split = [t.split() for t in terms]
+    num = len(text_of)
+    for start in range(0, num, 100_000):
+        rows = range(start, min(num, start + 100_000))
+        doc_ids = [row // CHUNKS_PER_DOC + 1 for row in rows]
+        store.add(
+            [row + 1 for row in rows],
+            [split[text_of[row]] for row in rows],
+            document_ids=doc_ids,
+            collection_ids=[collection_of(d, (d - 1) * CHUNKS_PER_DOC, num) for d in doc_ids],
+        )
+    store.close()
+    return time.perf_counter() - t0
+
+
+def overlap(a: np.ndarray, b: np.ndarray, text_of: np.ndarray) -> tuple[float, float]:
+    """Shares of `a` in `b`: by chunk id, and by base text (ids are 1-based rows)."""
+    by_id = len(set(a.tolist()) & set(b.tolist())) / max(len(a), 1)
+    texts_a, texts_b = set(text_of[a - 1].tolist()), set(text_of[b - 1].tolist())
+    return by_id, len(texts_a & texts_b) / max(len(texts_a), 1)
+
+
+def dir_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -124,8 +175,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     url = f"sqlite:///{tmp}/bench.db"
     upgrade_db(url)
     report: dict = {"total": len(vectors), "real": data["num_real"], "queries": len(queries)}
-    report["fill_db_s"] = fill(f"{tmp}/bench.db", data["texts"], data["text_of"])
+    terms = analyzed(data["texts"])
+    report["fill_db_s"] = fill(f"{tmp}/bench.db", data["texts"], data["text_of"], terms)
     print("filled", report["fill_db_s"], flush=True)
+    report["tantivy_build_s"] = build_tantivy(tmp / "lexical", terms, data["text_of"])
+    report["tantivy_mb"] = dir_mb(tmp / "lexical")
+    print("tantivy", report["tantivy_build_s"], flush=True)
     settings = Settings(index_nprobe=args.nprobe)
     t0 = time.perf_counter()
     index = VectorIndex(vectors.shape[1], **index_options(settings) | {"use_gpu": "no"})
@@ -161,6 +216,24 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                    candidates=K, tenant="a")  # fmt: skip
 
     report["hybrid_search"] = timed(whole, queries)
+
+    side = TantivyLexicalIndex(sessions, TantivyLexical(tmp / "lexical"), Analyzer())
+    report["lexical_tantivy"] = timed(lambda q: side.search(q, K, ChunkScope(tenant="a")), queries)
+    shares = [
+        overlap(
+            side.search(q, K, ChunkScope(tenant="a"))[1],
+            lexical.search(q, K, ChunkScope(tenant="a"))[1],
+            data["text_of"],
+        )
+        for q in queries
+    ]
+    report["tantivy_overlap_at_k"] = {
+        "k": K,
+        "by_chunk_id": float(np.mean([s[0] for s in shares])),
+        "by_base_text": float(np.mean([s[1] for s in shares])),
+    }
+    retriever = Retriever(embedder, index, None, lexical=side)
+    report["hybrid_search_tantivy"] = timed(whole, queries)
     report["rss_mb"] = rss_mb()
     report["db_mb"] = os.path.getsize(f"{tmp}/bench.db") / 2**20
     engine.dispose()
