@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefixrag.retrieval import vector_index
 from prefixrag.retrieval.faiss_internals import faiss
+from prefixrag.retrieval.id_bitmap import IdBitmap
 from prefixrag.retrieval.vector_index import VectorIndex
 
 DIM = 24
@@ -192,3 +194,29 @@ def test_trained_ivf_takes_new_vectors_without_retraining(tmp_path: Path, data) 
     # each later vector is its own nearest neighbour, so it sits in a list a search reaches
     _, self_hits = reopened.search(vectors[400:], 1)
     np.testing.assert_array_equal(self_hits[:, 0], ids[400:])
+
+
+def test_a_small_scope_of_a_trained_ivf_is_searched_exactly(
+    data, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids, vectors, queries = data
+    # one list of 16 probed: a filtered IVF search alone would miss most of the scope
+    index = VectorIndex(DIM, kind="ivf", nlist=16, nprobe=1, use_gpu="no", train_size=300)
+    index.add(ids, vectors)
+    assert index.is_trained_ivf
+    scope = ids[::5]
+    keep = np.isin(ids, scope)
+    expected = brute_force(queries, ids[keep], vectors[keep], 10)
+    for allowed in (scope, IdBitmap.from_ids(scope)):
+        scores, found = index.search(queries, 10, allowed_ids=allowed)
+        np.testing.assert_array_equal(found, expected)
+        np.testing.assert_allclose(
+            scores, np.sort(queries @ vectors[keep].T, axis=1)[:, ::-1][:, :10], atol=1e-5
+        )
+    # an id with no vector (a row indexed since) leaves it to the IVF search: no error
+    _, found = index.search(queries, 10, allowed_ids=np.append(scope, 10**7))
+    assert set(found.ravel().tolist()) <= set(scope.tolist()) | {-1}
+    # past the size limit the IVF search runs, and with one list probed it misses neighbours
+    monkeypatch.setattr(vector_index, "EXACT_SCOPE_MAX_IDS", len(scope) - 1)
+    _, found = index.search(queries, 10, allowed_ids=scope)
+    assert not np.array_equal(found, expected)
