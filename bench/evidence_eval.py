@@ -29,15 +29,19 @@ from bench.answer_eval import DATA, RESULTS, eval_client, holds_gold, kept_corpu
 from bench.eval_split import HALVES, half_of
 from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.evidence import EvidenceFinder
+from prefixrag.retrieval.evidence import NEVER_RESTATES, EvidenceFinder
 
 NEVER = float("-inf")  # an extend_margin no neighbour passes
+# the finder before issue 19: headings glued to the next sentence, no restating
+BEFORE_19: dict[str, Any] = {"skip_headings": False, "restate_share": NEVER_RESTATES}
 
-# EvidenceFinder arguments per setting; "shipped" is the finder's defaults.
+# EvidenceFinder arguments per setting; "shipped" is the finder's defaults, and settings that
+# name no round are changes to the shipped finder of their time (which the results file shows).
 SETTINGS: dict[str, dict[str, Any]] = {
     "shipped": {},
-    "before": {"code_weight": 0.0, "widen_back": False, "code_aware_split": False},  # round 1
-    "no_code_split": {"code_aware_split": False},  # last round's finder: prose may join code
+    "before": {"code_weight": 0.0, "widen_back": False, "code_aware_split": False, **BEFORE_19},
+    "no_code_split": {"code_aware_split": False, **BEFORE_19},  # round 2: prose may join code
+    "before19": BEFORE_19,  # round 3's finder
     "single": {"extend_margin": NEVER, "widen_back": False},
     "no_terms": {"term_weight": 0.0},
     "no_code": {"code_weight": 0.0},
@@ -46,6 +50,22 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "code0.4": {"code_weight": 0.4},
     "terms0.6": {"term_weight": 0.6},
     "margin0.2": {"extend_margin": 0.2},
+    # issue 19, on the tune half grown by 57 questions: changes to round 3's finder
+    "headings": {**BEFORE_19, "skip_headings": True},
+    "no_code_on_code": {**BEFORE_19, "code_bonus_on_code": False},
+    "headings+no_code_on_code": {**BEFORE_19, "skip_headings": True, "code_bonus_on_code": False},
+    "restate0.6": {**BEFORE_19, "restate_share": 0.6},
+    "restate0.7": {**BEFORE_19, "restate_share": 0.7},
+    "restate0.8": {**BEFORE_19, "restate_share": 0.8},
+    "headings+restate0.6": {"skip_headings": True, "restate_share": 0.6},
+    "headings+restate0.7": {"skip_headings": True, "restate_share": 0.7},  # shipped since
+    "headings+restate0.8": {"skip_headings": True, "restate_share": 0.8},
+    "headings+no_terms": {**BEFORE_19, "skip_headings": True, "term_weight": 0.0},
+    "headings+restate0.7+terms0.15": {
+        "skip_headings": True,
+        "restate_share": 0.7,
+        "term_weight": 0.15,
+    },
 }
 
 
@@ -119,13 +139,13 @@ def main() -> None:
     questions = [q for q in asked if q["half"] == args.half]
     embedder = Embedder(packaged_embedder_path())
     shared = EvidenceFinder()  # one sentence cache for every setting: same embedder, same texts
-    shared.warm([text for q in questions for text in q["cited"]], embedder)  # as ingest does
     for question in questions:
         question["vector"] = embedder.encode_query(question["q"])
     summary = {}
     for name in names:
         finder = EvidenceFinder(**SETTINGS[name])
         finder._cache = shared._cache  # a bench sharing one sentence cache on purpose
+        finder.warm([text for q in questions for text in q["cited"]], embedder)  # as ingest does
         summary[name] = evaluate(finder, questions, embedder)
     report = {
         "half": args.half,
