@@ -30,13 +30,17 @@ import numpy as np
 from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.reranker import Reranker
-from prefixrag.retrieval.sentences import sentence_spans
+from prefixrag.retrieval.sentences import is_code_line, sentence_spans
 
 # Weights next to the cosine, chosen on the tuning half of bench/data/python_docs_qa.json
-# (bench/evidence_eval.py reports the sweep): the question-term share, and naming new code.
+# (bench/evidence_eval.py reports the sweep): the question-term share, and naming new code; and
+# the share of the question's terms from which a sentence restates it (0.6 found one answer
+# more on the tuning half, but by highlighting 10% more text).
 TERM_WEIGHT = 0.3
 CODE_WEIGHT = 0.3
 EXTEND_MARGIN = 0.1
+RESTATE_SHARE = 0.7
+NEVER_RESTATES = float("inf")  # a restate_share no sentence reaches
 
 # A name a reader types: a call ("add_note(", "str.join("), a snake_case, camelCase or CamelCase
 # name. Dotted names without a call are left out: section numbers ("8.10") look the same.
@@ -66,6 +70,7 @@ class _ChunkSentences:
     terms: list[frozenset[str]]
     code_names: list[frozenset[str]]
     points_back: list[bool]
+    is_code: list[bool]  # opens on a line of code (a doctest prompt, an indented line)
 
 
 class EvidenceFinder:
@@ -75,8 +80,12 @@ class EvidenceFinder:
     the `shortlist` best sentences of each chunk (default: max(4, max_spans)). `cache_chunks`
     bounds the per-chunk sentence cache (about 8 KB per chunk with a 384-wide embedder). With
     `widen_back`, a chosen sentence that opens by pointing back ("It", "This", ...) takes the
-    sentence before it along, so a span is still at most two sentences. `code_aware_split` is
-    `sentence_spans`' `code_aware`: prose is never joined onto the end of a code block.
+    sentence before it along, so a span is still at most two sentences; one that holds at least
+    `restate_share` of the question's terms restates it and takes the prose sentence after it
+    along (`NEVER_RESTATES`: never). `code_aware_split` and `skip_headings` are
+    `sentence_spans`' `code_aware` and `skip_headings`: prose is never joined onto the end of a
+    code block, and a numbered section heading is in no sentence. With `code_bonus_on_code`
+    off, a line of code earns no bonus for naming code (kept for the benchmark's comparison).
     """
 
     def __init__(
@@ -90,6 +99,9 @@ class EvidenceFinder:
         extend_margin: float = EXTEND_MARGIN,
         widen_back: bool = True,
         code_aware_split: bool = True,
+        skip_headings: bool = True,
+        code_bonus_on_code: bool = True,
+        restate_share: float = RESTATE_SHARE,
         analyzer: Analyzer | None = None,
     ) -> None:
         shortlist = max(4, max_spans) if shortlist is None else shortlist
@@ -97,6 +109,8 @@ class EvidenceFinder:
             raise ValueError(f"need 1 <= max_spans <= shortlist, got {max_spans}, {shortlist}")
         if cache_chunks < 0 or term_weight < 0 or code_weight < 0:
             raise ValueError("cache_chunks, term_weight and code_weight must be >= 0")
+        if not restate_share > 0:
+            raise ValueError(f"restate_share must be > 0, got {restate_share}")
         self.max_spans = max_spans
         self.shortlist = shortlist
         self.cache_chunks = cache_chunks
@@ -105,6 +119,9 @@ class EvidenceFinder:
         self.extend_margin = extend_margin
         self.widen_back = widen_back
         self.code_aware_split = code_aware_split
+        self.skip_headings = skip_headings
+        self.code_bonus_on_code = code_bonus_on_code
+        self.restate_share = restate_share
         self.analyzer = analyzer if analyzer is not None else Analyzer()
         self._cache: OrderedDict[bytes, _ChunkSentences] = OrderedDict()
         self._lock = threading.Lock()
@@ -128,15 +145,17 @@ class EvidenceFinder:
             question_vector = embedder.encode_query(question)
         question_terms = frozenset(self.analyzer.terms(question))
         question_code = frozenset(_CODE_NAME.findall(question))
+        shares = [_shares(s, question_terms) for s in sentences]
         first = [
-            self._first_stage(s, question_vector, question_terms, question_code) for s in sentences
+            self._first_stage(s, question_vector, share, question_code)
+            for s, share in zip(sentences, shares, strict=True)
         ]
         ranked = [_best(scores, self.shortlist) for scores in first]
         if reranker is not None and reranker.is_available:
             ranked = self._rerank(question, texts, sentences, ranked, reranker)
         return [
-            self._pick(chunk, order, scores)
-            for chunk, order, scores in zip(sentences, ranked, first, strict=True)
+            self._pick(chunk, order, scores, share)
+            for chunk, order, scores, share in zip(sentences, ranked, first, shares, strict=True)
         ]
 
     @property
@@ -154,25 +173,35 @@ class EvidenceFinder:
         self,
         chunk: _ChunkSentences,
         question_vector: np.ndarray,
-        question_terms: frozenset[str],
+        share: np.ndarray,
         question_code: frozenset[str],
     ) -> np.ndarray:
-        scores = chunk.vectors.astype(np.float32) @ question_vector.astype(np.float32)
-        if question_terms and self.term_weight and chunk.spans:
-            share = [len(question_terms & terms) / len(question_terms) for terms in chunk.terms]
-            scores = scores + self.term_weight * np.asarray(share, dtype=np.float32)
+        scores: np.ndarray = chunk.vectors.astype(np.float32) @ question_vector.astype(np.float32)
+        if self.term_weight:
+            scores = scores + self.term_weight * share
         if self.code_weight and chunk.spans:
-            names_new_code = [bool(names - question_code) for names in chunk.code_names]
+            names_new_code = [
+                bool(names - question_code) and (self.code_bonus_on_code or not is_code)
+                for names, is_code in zip(chunk.code_names, chunk.is_code, strict=True)
+            ]
             scores = scores + self.code_weight * np.asarray(names_new_code, dtype=np.float32)
         return scores
 
     def _pick(
-        self, chunk: _ChunkSentences, ranked: list[tuple[int, float]], first: np.ndarray
+        self,
+        chunk: _ChunkSentences,
+        ranked: list[tuple[int, float]],
+        first: np.ndarray,
+        share: np.ndarray,
     ) -> list[EvidenceSpan]:
         """The best sentences as spans, each widened to a neighbour that scores within
         `extend_margin` of it in the first stage (an answer often takes two sentences: "The
         pass statement does nothing. It can be used when ..."), or else, with `widen_back`, to
-        the sentence before one that points back at it."""
+        the sentence before one that points back at it, or else to the prose sentence after one
+        that restates the question (holds `restate_share` of its terms): a section often opens
+        by restating what it answers, and answers next ("... use a list as a stack, where the
+        last element added is the first element retrieved." "To add an item ..., use
+        append().")."""
         spans: list[EvidenceSpan] = []
         used: set[int] = set()
         for i, score in ranked:
@@ -188,6 +217,9 @@ class EvidenceFinder:
                     lo, hi = min(i, j), max(i, j)
             if lo == hi and self.widen_back and chunk.points_back[i] and i - 1 in neighbours:
                 lo = i - 1
+            restates = lo == hi and share[i] >= self.restate_share
+            if restates and i + 1 in neighbours and not chunk.is_code[i + 1]:
+                hi = i + 1
             used.update(range(lo, hi + 1))
             spans.append(EvidenceSpan(chunk.spans[lo][0], chunk.spans[hi][1], score))
         return spans
@@ -218,7 +250,8 @@ class EvidenceFinder:
 
     def _sentences(self, texts: Sequence[str], embedder: Embedder) -> list[_ChunkSentences]:
         # the splitting is in the key: finders that split differently may share one cache
-        model = embedder.model_name_or_path.encode() + b"\0%d\0" % self.code_aware_split
+        split = (self.code_aware_split, self.skip_headings)
+        model = embedder.model_name_or_path.encode() + b"\0%d%d\0" % split
         keys = [hashlib.blake2b(model + t.encode(), digest_size=16).digest() for t in texts]
         found: dict[int, _ChunkSentences] = {}
         with self._lock:
@@ -230,8 +263,7 @@ class EvidenceFinder:
         missing = [n for n in range(len(texts)) if n not in found]
         if missing:
             # one batch for every new chunk's sentences: the embedder's cost is per call
-            split = self.code_aware_split
-            spans = {n: sentence_spans(texts[n], code_aware=split) for n in missing}
+            spans = {n: self._split(texts[n]) for n in missing}
             flat = [texts[n][lo:hi] for n in missing for lo, hi in spans[n]]
             vectors = embedder.encode(flat)
             row = 0
@@ -241,6 +273,11 @@ class EvidenceFinder:
                 row += count
             self._remember({keys[n]: found[n] for n in missing})
         return [found[n] for n in range(len(texts))]
+
+    def _split(self, text: str) -> list[tuple[int, int]]:
+        return sentence_spans(
+            text, code_aware=self.code_aware_split, skip_headings=self.skip_headings
+        )
 
     def _chunk(
         self, text: str, spans: list[tuple[int, int]], vectors: np.ndarray
@@ -252,6 +289,7 @@ class EvidenceFinder:
             [frozenset(self.analyzer.terms(s)) for s in sentences],
             [frozenset(_CODE_NAME.findall(s)) for s in sentences],
             [_POINTS_BACK.match(s) is not None for s in sentences],
+            [is_code_line(text, lo) for lo, _ in spans],
         )
 
     def _remember(self, new: dict[bytes, _ChunkSentences]) -> None:
@@ -261,6 +299,14 @@ class EvidenceFinder:
                 self._cache.move_to_end(key)
             while len(self._cache) > self.cache_chunks:
                 self._cache.popitem(last=False)
+
+
+def _shares(chunk: _ChunkSentences, question_terms: frozenset[str]) -> np.ndarray:
+    """Per sentence, the share of the question's terms it holds."""
+    if not question_terms:
+        return np.zeros(len(chunk.spans), dtype=np.float32)
+    held = [len(question_terms & terms) for terms in chunk.terms]
+    return np.asarray(held, dtype=np.float32) / len(question_terms)
 
 
 def _best(scores: np.ndarray, k: int) -> list[tuple[int, float]]:

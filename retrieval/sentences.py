@@ -27,26 +27,43 @@ _WORD = re.compile(r"\w+")
 # a line of code: a doctest prompt (">>> ", "... "), a traceback's first line, or an indented line
 _CODE_LINE = re.compile(r"[ \t]*(?:>>>|\.\.\.)|Traceback \(|[ \t]{2,}\S")
 _STOPS = ".!?:;"
+# a numbered section heading on a line of its own ("5.1.1. Using Lists as Stacks"): two levels at
+# least, so a numbered step of a list ("1. Open the file") is not one
+_NUMBERED_HEADING = re.compile(r"\d+(?:\.\d+)+\.?[ \t]+[A-Z][^\n]*[^\n.!?:;]\n\n")
 
 MIN_CHARS = 40  # a span shorter than this is joined to the next one...
 MAX_JOINED_CHARS = 240  # ...while the two together stay this short
 
 
-def sentence_spans(text: str, *, code_aware: bool = True) -> list[tuple[int, int]]:
+def sentence_spans(
+    text: str, *, code_aware: bool = True, skip_headings: bool = True
+) -> list[tuple[int, int]]:
     """Spans (start, end) of `text`'s sentences in order, without surrounding whitespace; each
     holds at least one word. `text[start:end]` is the sentence. With `code_aware` off, a span
     ending in a line of code may join the prose after it (the splitting before code lines were
-    told apart, kept for the benchmark's comparison)."""
-    pieces: list[tuple[int, int]] = []
+    told apart, kept for the benchmark's comparison). With `skip_headings`, a numbered section
+    heading is in no span and no span joins across it: it names the topic, and glued to the
+    section's first sentence it made that sentence (which restates the topic) outscore the one
+    that answers."""
+    spans: list[tuple[int, int]] = []
+    pieces: list[tuple[int, int]] = []  # since the last skipped heading: no join crosses one
     for line in _LINE.finditer(text):
+        if skip_headings and _NUMBERED_HEADING.match(text, line.start()):
+            spans += _join_short(text, _worded(text, pieces), code_aware)
+            pieces = []
+            continue
         start = line.start()
         for cut in _BREAK.finditer(text, line.start(), line.end()):
             if not _is_abbreviation(text[start : cut.start()]):
                 pieces.append((start, cut.start()))
                 start = cut.end()
         pieces.append((start, line.end()))
-    spans = [_strip(text, lo, hi) for lo, hi in pieces]
-    return _join_short(text, [s for s in spans if _WORD.search(text, s[0], s[1])], code_aware)
+    return spans + _join_short(text, _worded(text, pieces), code_aware)
+
+
+def _worded(text: str, pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    stripped = [_strip(text, lo, hi) for lo, hi in pieces]
+    return [s for s in stripped if _WORD.search(text, s[0], s[1])]
 
 
 def _is_abbreviation(sentence: str) -> bool:
@@ -67,7 +84,7 @@ def _strip(text: str, lo: int, hi: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _is_code_line(text: str, pos: int) -> bool:
+def is_code_line(text: str, pos: int) -> bool:
     """Whether the line holding `text[pos]` is a line of code."""
     return _CODE_LINE.match(text, text.rfind("\n", 0, pos) + 1) is not None
 
@@ -79,7 +96,7 @@ def _join_short(text: str, spans: list[tuple[int, int]], code_aware: bool) -> li
             prev_lo, prev_hi = joined[-1]
             dangling = prev_hi - prev_lo < MIN_CHARS or text[prev_hi - 1] not in _STOPS
             prose_after_code = (
-                code_aware and _is_code_line(text, prev_hi - 1) and not _is_code_line(text, lo)
+                code_aware and is_code_line(text, prev_hi - 1) and not is_code_line(text, lo)
             )
             if dangling and not prose_after_code and hi - prev_lo <= MAX_JOINED_CHARS:
                 joined[-1] = (prev_lo, hi)

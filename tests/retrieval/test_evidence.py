@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.evidence import EvidenceFinder
+from prefixrag.retrieval.evidence import NEVER_RESTATES, EvidenceFinder
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.sentences import sentence_spans
 from tests.retrieval.tiny_cross_encoder import KEYWORD
 
-NEVER = float("-inf")  # an extend_margin no neighbour passes: single sentences only
+NEVER = float("-inf")  # an extend_margin no neighbour passes
+# single sentences only, unless a test asks for more
+SINGLE = {"extend_margin": NEVER, "restate_share": NEVER_RESTATES}
 
 LIGHTHOUSE = (
     "The lighthouse stands on a granite cliff above the harbour town. "
@@ -46,7 +48,7 @@ class CountingEmbedder:
 
 
 def test_the_sentence_that_answers_wins_in_each_chunk(embedder: Embedder):
-    finder = EvidenceFinder(max_spans=2, extend_margin=NEVER)  # single sentences only
+    finder = EvidenceFinder(max_spans=2, **SINGLE)  # single sentences only
     found = finder.find(
         "How did ships avoid the rocky coast in storms?", [LIGHTHOUSE, GARDEN], embedder=embedder
     )
@@ -59,7 +61,7 @@ def test_the_sentence_that_answers_wins_in_each_chunk(embedder: Embedder):
 
 def test_scores_are_the_cosine_plus_the_question_term_share(embedder: Embedder):
     question = "What keeps the roots healthy?"
-    finder = EvidenceFinder(max_spans=3, term_weight=0.5, extend_margin=NEVER)
+    finder = EvidenceFinder(max_spans=3, term_weight=0.5, **SINGLE)
     spans = finder.find(question, [GARDEN], embedder=embedder)[0]
     q = embedder.encode_query(question)
     for span in spans:
@@ -74,9 +76,9 @@ def test_scores_are_the_cosine_plus_the_question_term_share(embedder: Embedder):
 
 def test_a_neighbour_within_the_margin_widens_the_span(embedder: Embedder):
     question = "How did ships avoid the rocky coast in storms?"
-    narrow = EvidenceFinder(max_spans=1, extend_margin=NEVER).find(
-        question, [LIGHTHOUSE], embedder=embedder
-    )[0][0]
+    narrow = EvidenceFinder(max_spans=1, **SINGLE).find(question, [LIGHTHOUSE], embedder=embedder)[
+        0
+    ][0]
     wide = EvidenceFinder(max_spans=1, extend_margin=10.0).find(
         question, [LIGHTHOUSE], embedder=embedder
     )[0][0]
@@ -89,9 +91,9 @@ def test_a_sentence_that_points_back_takes_the_one_before_it(embedder: Embedder)
     question = "Who climbed the spiral stairs every evening to light the lamp?"
     sentences = sentence_spans(LIGHTHOUSE)
     assert LIGHTHOUSE[slice(*sentences[1])].startswith("Its keeper")
-    alone = EvidenceFinder(max_spans=1, extend_margin=NEVER, widen_back=False)
+    alone = EvidenceFinder(max_spans=1, **SINGLE, widen_back=False)
     assert alone.find(question, [LIGHTHOUSE], embedder=embedder)[0][0].start == sentences[1][0]
-    back = EvidenceFinder(max_spans=1, extend_margin=NEVER)
+    back = EvidenceFinder(max_spans=1, **SINGLE)
     span = back.find(question, [LIGHTHOUSE], embedder=embedder)[0][0]
     assert (span.start, span.end) == (sentences[0][0], sentences[1][1])  # two sentences, no more
 
@@ -111,8 +113,8 @@ def scores_by_span(finder: EvidenceFinder, question: str, text: str, embedder: E
 
 def test_naming_code_the_question_does_not_adds_the_code_weight(embedder: Embedder):
     question = "How do I add extra information to an exception after catching it?"
-    plain = EvidenceFinder(max_spans=3, code_weight=0.0, extend_margin=NEVER, widen_back=False)
-    coded = EvidenceFinder(max_spans=3, code_weight=0.25, extend_margin=NEVER, widen_back=False)
+    plain = EvidenceFinder(max_spans=3, code_weight=0.0, **SINGLE, widen_back=False)
+    coded = EvidenceFinder(max_spans=3, code_weight=0.25, **SINGLE, widen_back=False)
     before = {
         (s.start, s.end): s.score for s in plain.find(question, [NOTES], embedder=embedder)[0]
     }
@@ -125,15 +127,15 @@ def test_naming_code_the_question_does_not_adds_the_code_weight(embedder: Embedd
     # one that answers it win
     best = max(before, key=before.__getitem__)
     assert NOTES[slice(*best)].startswith("There are cases")
-    shipped = EvidenceFinder(max_spans=1, extend_margin=NEVER)
+    shipped = EvidenceFinder(max_spans=1, **SINGLE)
     top = shipped.find(question, [NOTES], embedder=embedder)[0][0]
     assert "add_note(note)" in NOTES[top.start : top.end]
 
 
 def test_code_named_by_the_question_earns_no_bonus(embedder: Embedder):
     question = "What does add_note(note) do to an exception?"
-    plain = EvidenceFinder(max_spans=3, code_weight=0.0, extend_margin=NEVER, widen_back=False)
-    coded = EvidenceFinder(max_spans=3, code_weight=0.25, extend_margin=NEVER, widen_back=False)
+    plain = EvidenceFinder(max_spans=3, code_weight=0.0, **SINGLE, widen_back=False)
+    coded = EvidenceFinder(max_spans=3, code_weight=0.25, **SINGLE, widen_back=False)
     assert coded.find(question, [NOTES], embedder=embedder) == plain.find(
         question, [NOTES], embedder=embedder
     )
@@ -178,7 +180,7 @@ def test_a_loaded_cross_encoder_orders_the_shortlist(embedder: Embedder, tiny_cr
         f"A {KEYWORD} tree grows in the garden behind the window of the house.\n"
         "The forest beyond the desert is home to a tiger and its cubs."
     )
-    finder = EvidenceFinder(max_spans=3, extend_margin=NEVER)
+    finder = EvidenceFinder(max_spans=3, **SINGLE)
     spans = finder.find("river stone bridge castle", [text], embedder=embedder, reranker=reranker)[
         0
     ]
@@ -199,10 +201,8 @@ def test_the_finder_splits_code_aware_and_caches_each_splitting_apart(embedder: 
         "Using with is also much shorter than writing equivalent try-finally blocks."
     )
     question = "What is good practice when dealing with file objects?"
-    aware = EvidenceFinder(max_spans=1, extend_margin=NEVER, widen_back=False)
-    glued = EvidenceFinder(
-        max_spans=1, extend_margin=NEVER, widen_back=False, code_aware_split=False
-    )
+    aware = EvidenceFinder(max_spans=1, **SINGLE, widen_back=False)
+    glued = EvidenceFinder(max_spans=1, **SINGLE, widen_back=False, code_aware_split=False)
     glued._cache = aware._cache  # one cache, as bench/evidence_eval.py shares it
     top = aware.find(question, [text], embedder=embedder)[0][0]
     assert text[top.start : top.end] == (
@@ -211,3 +211,72 @@ def test_the_finder_splits_code_aware_and_caches_each_splitting_apart(embedder: 
     top = glued.find(question, [text], embedder=embedder)[0][0]
     assert text[top.start : top.end].startswith('File "<stdin>"')
     assert aware.num_cached == 2  # the same text, split two ways
+
+
+STACK = (
+    "5.1.1. Using Lists as Stacks\n\n"
+    "The list methods make it very easy to use a list as a stack, where the last element added "
+    "is the first element retrieved (last-in, first-out). "
+    "To add an item to the top of the stack, use append(). "
+    "To retrieve an item from the top of the stack, use pop() without an explicit index."
+)
+STACK_QUESTION = "How can a list be used as a last-in, first-out stack?"
+
+
+def test_a_sentence_that_restates_the_question_takes_the_next_one_along(embedder: Embedder):
+    restating, answering, _ = sentence_spans(STACK)
+    assert STACK[slice(*restating)].startswith("The list methods")
+    alone = EvidenceFinder(max_spans=1, **SINGLE, widen_back=False)
+    top = alone.find(STACK_QUESTION, [STACK], embedder=embedder)[0][0]
+    assert (top.start, top.end) == restating  # restating wins, and alone misses the answer
+    for share in (0.7, 0.5):  # it holds 0.8 of the question's terms
+        finder = EvidenceFinder(max_spans=1, extend_margin=NEVER, restate_share=share)
+        top = finder.find(STACK_QUESTION, [STACK], embedder=embedder)[0][0]
+        assert (top.start, top.end) == (restating[0], answering[1])
+    strict = EvidenceFinder(max_spans=1, extend_margin=NEVER, restate_share=0.9)
+    top = strict.find(STACK_QUESTION, [STACK], embedder=embedder)[0][0]
+    assert (top.start, top.end) == restating
+
+
+def test_a_restating_sentence_takes_no_code_along(embedder: Embedder):
+    text = STACK.replace(" To add an item", "\n>>> stack = [3, 4, 5]\nTo add an item")
+    restating, code, *_ = sentence_spans(text)
+    assert text[slice(*code)] == ">>> stack = [3, 4, 5]"
+    finder = EvidenceFinder(max_spans=1, extend_margin=NEVER, restate_share=0.7)
+    top = finder.find(STACK_QUESTION, [text], embedder=embedder)[0][0]
+    assert (top.start, top.end) == restating
+
+
+def test_a_numbered_heading_is_never_highlighted_and_splits_apart_in_the_cache(
+    embedder: Embedder,
+):
+    finder = EvidenceFinder(max_spans=3, **SINGLE)
+    glued = EvidenceFinder(max_spans=3, **SINGLE, skip_headings=False)
+    glued._cache = finder._cache  # one cache, as bench/evidence_eval.py shares it
+    spans = finder.find(STACK_QUESTION, [STACK], embedder=embedder)[0]
+    assert all("5.1.1." not in STACK[s.start : s.end] for s in spans)
+    spans = glued.find(STACK_QUESTION, [STACK], embedder=embedder)[0]
+    assert any(STACK[s.start : s.end].startswith("5.1.1. Using") for s in spans)
+    assert finder.num_cached == 2
+
+
+def test_a_line_of_code_can_be_kept_from_the_code_bonus(embedder: Embedder):
+    text = (
+        "It is good practice to use the with keyword when dealing with file objects.\n"
+        ">>> with open('workfile', encoding='utf-8') as f:\n"
+        "...     read_data = f.read()"
+    )
+    question = "How should I open a file?"
+    prose, first, second = sentence_spans(text)
+    on = scores_by_span(EvidenceFinder(max_spans=3, **SINGLE), question, text, embedder)
+    off = scores_by_span(
+        EvidenceFinder(max_spans=3, **SINGLE, code_bonus_on_code=False), question, text, embedder
+    )
+    for code in (first, second):  # each names code the question does not
+        assert on[code] == pytest.approx(off[code] + 0.3, abs=1e-6)
+    assert on[prose] == pytest.approx(off[prose], abs=1e-6)
+
+
+def test_restate_share_must_be_positive():
+    with pytest.raises(ValueError, match="restate_share"):
+        EvidenceFinder(restate_share=0.0)

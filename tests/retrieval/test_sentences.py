@@ -104,3 +104,38 @@ def test_joined_spans_stay_short_enough_to_read_as_one_highlight(lines: list[str
     for lo, hi in sentence_spans(text):
         # a span longer than the limit is never a join: it is one line as it was written
         assert hi - lo <= MAX_JOINED_CHARS or "\n" not in text[lo:hi]
+
+
+SECTIONS = (
+    "5.1.1. Using Lists as Stacks\n\n"
+    "The list methods make it very easy to use a list as a stack.\n"
+    "1. Open the file\n\n"
+    "5.1.2. Using Lists as Queues\n\n"
+    "It is also possible to use a list as a queue."
+)
+
+
+def test_a_numbered_heading_is_in_no_span_and_no_span_joins_across_it():
+    assert texts(SECTIONS) == [
+        "The list methods make it very easy to use a list as a stack.",
+        "1. Open the file",  # a one-level number is a list's step, not a heading: it stays
+        "It is also possible to use a list as a queue.",
+    ]
+    # before, each heading was glued to the sentence after it, and the dangling step to both
+    assert [SECTIONS[lo:hi] for lo, hi in sentence_spans(SECTIONS, skip_headings=False)] == [
+        "5.1.1. Using Lists as Stacks\n\nThe list methods make it very easy to use a list as a "
+        "stack.",
+        "1. Open the file\n\n5.1.2. Using Lists as Queues\n\nIt is also possible to use a list as "
+        "a queue.",
+    ]
+
+
+def test_a_numbered_line_that_ends_a_sentence_or_a_paragraph_is_no_heading():
+    text = (
+        "2.5. The value is computed twice, once for each of the calls.\n\n"
+        "3.1. See below\nwhere the rest follows."
+    )
+    assert texts(text) == [
+        "2.5. The value is computed twice, once for each of the calls.",
+        "3.1. See below\nwhere the rest follows.",
+    ]
