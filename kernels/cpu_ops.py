@@ -1,6 +1,6 @@
 """The CPU step's small ops in C (csrc/cpu_ops.c): RMSNorm, RoPE, KV write, paged attention (decode
-rows and short extends) and SiLU-and-multiply. Activations are float32; the KV cache may be
-float32, float16 or bfloat16 (rows rounded on store, widened to float32 on read).
+rows, and extends after a cached prefix) and SiLU-and-multiply. Activations are float32; the KV
+cache may be float32, float16 or bfloat16 (rows rounded on store, widened to float32 on read).
 
 Each has the signature of its Triton twin in this package, and the same plain-torch reference
 checks it. They exist because at batch 1 a CPU decode step is hundreds of tiny torch ops whose
@@ -25,6 +25,10 @@ _SIGNATURES = {
     "paged_attention": (
         ctypes.c_int,
         [_P, _I, _P, _P, _K, _I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F, _I],
+    ),
+    "paged_extend_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _P, _K, _I, _P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F],
     ),
     "silu_mul": (None, [_P, _P, _I, _I]),
 }
@@ -254,6 +258,79 @@ def paged_decode_attention(
     return paged_attention_rows(
         q, k_cache, v_cache, block_tables, rows, rows.int(), seq_lens, scale, split_len=split_len
     )
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of extends over their cached prefix and themselves, read in place.
+
+    Extend ``e`` owns the ``extend_lens[e]`` rows of q [T, Hq, D] from ``q_starts[e]`` (int64
+    [E]); its row r sits at position ``prefix_lens[e] + r`` (int32 [E], as ``extend_lens``) and
+    sees positions 0 .. ``prefix_lens[e] + r`` of the sequence whose block table is row e of
+    ``block_tables`` [E, max_blocks] (int32), its own new K/V already written there. Writes
+    those rows of ``out`` [T, Hq, D] (a new tensor when None) and returns it.
+
+    The same arithmetic as :func:`paged_attention_rows` per row, but rows share the reads: a
+    tile of 16 rows widens each chunk of 32 cached positions once and scores it as a small
+    matrix product (csrc/extend_tiles.h), where the per-row kernel rereads the whole prefix for
+    every row. Raises ValueError, reading nothing, for rows outside q, an empty extend or a
+    table that is too short or names a block the cache does not have.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_rank("q", q, 3)
+    _f32("q", q)
+    kind = kv_kind(k_cache)
+    num_q_rows, num_q_heads, _ = q.shape
+    check_gqa(num_q_heads, num_kv_heads)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be int32 [num_extends, max_blocks]")
+    num_ext = block_tables.shape[0]
+    for name, t, dtype in (
+        ("q_starts", q_starts, torch.int64),
+        ("prefix_lens", prefix_lens, torch.int32),
+        ("extend_lens", extend_lens, torch.int32),
+    ):
+        if t.dtype != dtype or t.shape != (num_ext,):
+            raise ValueError(f"{name} must be {dtype} [{num_ext}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if out is None:
+        out = torch.empty(num_q_rows, num_q_heads, head_dim, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)}")
+    if num_ext == 0 or num_q_rows == 0:
+        return out
+    tables = block_tables.contiguous()
+    rc = build().paged_extend_attention(
+        q.data_ptr(), _rows("q", q), k_cache.data_ptr(), v_cache.data_ptr(), kind, num_blocks,
+        tables.data_ptr(), tables.shape[1], q_starts.contiguous().data_ptr(),
+        prefix_lens.contiguous().data_ptr(), extend_lens.contiguous().data_ptr(), num_ext,
+        num_q_rows, out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale,
+    )  # fmt: skip
+    if rc == -3:
+        raise MemoryError("extend attention could not allocate its scratch")
+    if rc == -2:
+        raise ValueError(
+            "every extend needs >= 1 row inside q and a block table that holds its positions, "
+            f"with blocks in [0, {num_blocks})"
+        )
+    if rc != 0:
+        raise ValueError(
+            f"extend attention supports query groups up to 16 and head_dim up to 256, got "
+            f"{num_q_heads // num_kv_heads} and {head_dim} (or this build lacks {k_cache.dtype})"
+        )
+    return out
 
 
 # Past this many rows torch's vectorized exp beats the C loop's scalar expf.

@@ -44,7 +44,7 @@ def plan_extends(meta: AttentionMetadata, block_size: int) -> list[ExtendEntry]:
     extends = []
     start = meta.num_decode_tokens
     for b, n in enumerate(meta.extend_lens_host):
-        extends.append(_extend_entry(meta, b, start, block_size))
+        extends.append(extend_entry(meta, b, start, block_size))
         start += n
     return extends
 
@@ -92,8 +92,9 @@ def extend_sdpa(
             out[start + lo : start + hi] = o[0].transpose(0, 1)
 
 
-def _extend_entry(meta: AttentionMetadata, b: int, start: int, block_size: int) -> ExtendEntry:
-    # extend b's q rows, the cache blocks it attends over (None: no prefix) and its row groups'
+def extend_entry(meta: AttentionMetadata, b: int, start: int, block_size: int) -> ExtendEntry:
+    """Extend b's SDPA entry; its q rows begin at row ``start``."""
+    # its q rows, the cache blocks it attends over (None: no prefix) and its row groups'
     # additive causal masks; float masks, built once per step, because SDPA would turn a boolean
     # one into floats again in every layer
     prefix, n = meta.extend_prefix_lens_host[b], meta.extend_lens_host[b]

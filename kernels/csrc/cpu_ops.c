@@ -7,7 +7,9 @@
  *   write_kv:   this step's k and v rows into their slots of the paged cache (float32, or
  *               rounded to its float16 / bfloat16);
  *   paged_attention: query rows against their sequences' cached K/V, read in place through
- *               the block tables (decode rows, and short extends after a cached prefix);
+ *               the block tables (decode rows);
+ *   paged_extend_attention: an extend's new rows after a cached prefix, in tiles of rows
+ *               that share each chunk of cached positions (extend_tiles.h);
  *   silu_mul:   silu(gate) * up of a fused gate/up output.
  * Tensors are row-major; a "stride" is the distance in floats between consecutive rows, so q and
  * k may be column slices of the fused qkv output.
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "extend_tiles.h"
 #include "paged_attention.h"
 #include "row_ops.h"
 
@@ -123,6 +126,106 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
     free(parts);
     free(off);
     return 0;
+}
+
+/* Extends after a cached prefix: extend e's n = ext_lens[e] query rows are rows q_starts[e] ..
+ * + n - 1 of q ([T, hq, d], rows q_stride apart); its row r sits at position prefix_lens[e] + r
+ * and sees positions [0, prefix_lens[e] + r] of the sequence whose block table is row e of
+ * block_tables (int32 [num_ext, max_blocks]), its own new K/V already written there. out ([T,
+ * hq, d], contiguous) gets those rows; no other row is touched. One task per (extend, tile of
+ * EXT_ROWS rows, kv head, split of EXT_SPLIT positions); each (tile, kv head) then merges its
+ * splits. Returns -1 for unsupported shapes or kinds, -2 if an extend's rows
+ * fall outside q, it has no rows, or its table is too short or names a block outside [0,
+ * num_blocks) (nothing is read then), -3 if scratch memory could not be had. */
+int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int32_t kv_kind, int64_t num_blocks,
+                           const int32_t *block_tables, int64_t max_blocks,
+                           const int64_t *q_starts, const int32_t *prefix_lens,
+                           const int32_t *ext_lens, int64_t num_ext, int64_t num_q_rows,
+                           float *out, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                           float scale) {
+    const int64_t group = hq / hkv, pw = partial_width(d);
+    if (hkv < 1 || hq % hkv || group > MAX_GROUP || d > MAX_HEAD_DIM || !kv_kind_ok(kv_kind))
+        return -1;
+    int64_t num_tiles = 0;
+    for (int64_t e = 0; e < num_ext; e++) {
+        const int64_t n = ext_lens[e], len = (int64_t)prefix_lens[e] + n;
+        const int64_t used = (len + bs - 1) / bs;
+        int bad = n < 1 || prefix_lens[e] < 0 || q_starts[e] < 0 ||
+                  q_starts[e] + n > num_q_rows || used > max_blocks;
+        for (int64_t j = 0; !bad && j < used; j++) {
+            const int32_t blk = block_tables[e * max_blocks + j];
+            bad = blk < 0 || blk >= num_blocks;
+        }
+        if (bad) return -2;
+        num_tiles += (n + EXT_ROWS - 1) / EXT_ROWS;
+    }
+    if (num_tiles == 0) return 0;
+    /* a tile: its extend, rows [r0, r1), splits, and where its first task and partials go */
+    typedef struct {
+        int64_t e, r0, r1, splits, task, part;
+    } tile_t;
+    tile_t *tiles = malloc((size_t)num_tiles * sizeof(tile_t));
+    if (!tiles) return -3;
+    int64_t t = 0, tasks = 0, floats = 0;
+    for (int64_t e = 0; e < num_ext; e++)
+        for (int64_t r0 = 0; r0 < ext_lens[e]; r0 += EXT_ROWS, t++) {
+            const int64_t r1 = r0 + EXT_ROWS < ext_lens[e] ? r0 + EXT_ROWS : ext_lens[e];
+            const int64_t splits = (prefix_lens[e] + r1 + EXT_SPLIT - 1) / EXT_SPLIT;
+            tiles[t] = (tile_t){e, r0, r1, splits, tasks, floats};
+            tasks += hkv * splits;
+            /* partials [kv head][row][split][group][d + 2], the layout merge_splits reads */
+            floats += hkv * (r1 - r0) * splits * group * pw;
+        }
+    float *parts = malloc((size_t)floats * sizeof(float));
+    int failed = !parts;
+#pragma omp parallel if (!failed)
+    {
+        /* per thread: the chunk's transposed keys and widened values */
+        float *scratch = failed ? NULL : malloc((size_t)(2 * d * EXT_KEYS) * sizeof(float));
+        const float *q_rows[EXT_ROWS];
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < tasks; u++) {
+            if (!scratch) continue;
+            int64_t lo = 0, hi = num_tiles - 1; /* the tile holding task u */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (tiles[mid].task <= u)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            const tile_t *tl = &tiles[lo];
+            const int64_t k = u - tl->task, g = k / tl->splits, s = k % tl->splits;
+            const int64_t e = tl->e, rows = tl->r1 - tl->r0, stride = tl->splits * group * pw;
+            for (int64_t r = tl->r0; r < tl->r1; r++)
+                q_rows[r - tl->r0] = q + (q_starts[e] + r) * q_stride;
+            extend_task(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
+                        (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
+                        block_tables + e * max_blocks, scale, scratch,
+                        scratch + d * EXT_KEYS,
+                        parts + tl->part + (g * rows * tl->splits + s) * group * pw, stride);
+        }
+        free(scratch);
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_tiles * hkv; i++) {
+                const tile_t *tl = &tiles[i / hkv];
+                const int64_t g = i % hkv, rows = tl->r1 - tl->r0, w = tl->splits * group * pw;
+                for (int64_t r = 0; r < rows; r++)
+                    merge_splits(parts + tl->part + (g * rows + r) * w, tl->splits, group, d,
+                                 out + ((q_starts[tl->e] + tl->r0 + r) * hq + g * group) * d);
+            }
+        }
+    }
+    free(parts);
+    free(tiles);
+    return failed ? -3 : 0;
 }
 
 /* gate_up: [T, 2 * inter] (gate columns first); out: [T, inter]. */

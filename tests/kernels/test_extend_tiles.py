@@ -1,0 +1,145 @@
+"""The C tile kernel for extends after a cached prefix (csrc/extend_tiles.h) against naive float64
+causal attention, on each path it is compiled for (AVX-512 where the host has it, AVX2, portable
+C), and the claim it makes: a row's result depends on that row alone, not on the tile, the
+other extends of the call or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixrag.kernels import cpu_ops
+from tests.kernels.paged_batch import make_paged_batch, naive_attention
+from tests.kernels.test_block_quant_matmul import ALL_FLAGS as PATHS
+from tests.kernels.test_paged_attention_paths import SHAPES
+
+
+@pytest.fixture(params=list(PATHS), ids=list(PATHS))
+def path(request, monkeypatch):
+    lib = cpu_ops.build(PATHS[request.param])
+    monkeypatch.setattr(cpu_ops, "build", lambda: lib)
+    return request.param
+
+
+def run_extends(batch, q, prefixes, news, scale, first_row=0, out=None):
+    """The kernel over extends laid end to end in q from ``first_row``."""
+    starts = [first_row + sum(news[:i]) for i in range(len(news))]
+    return cpu_ops.paged_extend_attention(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables[: len(news)],
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(prefixes, dtype=torch.int32),
+        torch.tensor(news, dtype=torch.int32),
+        scale,
+        out,
+    )
+
+
+def expected_rows(batch, q, prefixes, news, scale, first_row=0):
+    start, rows = first_row, []
+    for b, (p, n) in enumerate(zip(prefixes, news, strict=True)):
+        rows.append(naive_attention(q[start : start + n], batch.keys[b], batch.values[b], p, scale))
+        start += n
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_extends_on_every_path_match_naive(path, dtype, num_q_heads, num_kv_heads, head_dim):
+    # one row over a long prefix; a tile and a half (32 rows a tile) crossing a split (512
+    # positions); a short extend whose last chunk is partly its own rows; a prefix of one
+    prefixes, news = [700, 530, 33, 1], [1, 45, 7, 3]
+    lens = [p + n for p, n in zip(prefixes, news, strict=True)]
+    batch = make_paged_batch(lens, num_kv_heads, head_dim, 16, dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(news) + 2, num_q_heads, head_dim, generator=gen)
+    scale = 4.0 * head_dim**-0.5  # wide scores: many exponentials far below the max
+    out = torch.full_like(q, 7.0)
+    run_extends(batch, q, prefixes, news, scale, first_row=1, out=out)
+    # the rows before and after the extends are left alone
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))
+    assert torch.equal(out[-1], torch.full_like(out[-1], 7.0))
+    torch.testing.assert_close(
+        out[1:-1].double(),
+        expected_rows(batch, q, prefixes, news, scale, first_row=1),
+        atol=2e-5,
+        rtol=2e-5,
+    )
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_odd_block_sizes_and_a_long_extend_match_naive(block_size):
+    prefixes, news = [90, 3], [70, 130]  # several tiles each, blocks that cut chunks
+    lens = [p + n for p, n in zip(prefixes, news, strict=True)]
+    batch = make_paged_batch(lens, 3, 64, block_size, dtype=torch.float16)
+    q = torch.randn(sum(news), 9, 64, generator=torch.Generator().manual_seed(6))
+    out = run_extends(batch, q, prefixes, news, 0.125)
+    torch.testing.assert_close(
+        out.double(), expected_rows(batch, q, prefixes, news, 0.125), atol=2e-5, rtol=2e-5
+    )
+
+
+def test_a_row_gets_the_same_bits_whatever_shares_its_call():
+    # the last 40 rows of an extend of 75 after 600 cached, computed (a) as part of that
+    # extend beside another extend, (b) as their own extend of 40 after 635, (c) one row at a
+    # time; and with one thread or two
+    batch = make_paged_batch([675, 50], 3, 64, 16, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(75 + 50, 9, 64, generator=gen)
+    whole = run_extends(batch, q, [600, 10], [75, 40], 0.125)[35:75]
+    tail = run_extends(batch, q[35:75], [635], [40], 0.125)
+    assert torch.equal(whole, tail)
+    for r in (0, 17, 39):
+        one = run_extends(batch, q[35 + r : 36 + r], [635 + r], [1], 0.125)
+        assert torch.equal(one[0], whole[r])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_extends(batch, q[35:75], [635], [40], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, tail)
+
+
+def test_rejects_rows_outside_q_an_empty_extend_and_a_bad_table_touching_nothing():
+    batch = make_paged_batch([40], 2, 32, 8, extra_blocks=0)
+    q = torch.randn(8, 4, 32)
+    out = torch.full_like(q, 3.0)
+
+    def call(prefix, n, start=0, tables=batch.block_tables):
+        cpu_ops.paged_extend_attention(
+            q,
+            batch.k_cache,
+            batch.v_cache,
+            tables,
+            torch.tensor([start]),
+            torch.tensor([prefix], dtype=torch.int32),
+            torch.tensor([n], dtype=torch.int32),
+            0.2,
+            out,
+        )
+
+    with pytest.raises(ValueError, match="inside q"):
+        call(32, 8, start=1)  # rows 1..8 of 8
+    with pytest.raises(ValueError, match="inside q"):
+        call(32, 0)
+    with pytest.raises(ValueError, match="block table"):
+        call(40, 8)  # 48 positions; the table holds 40
+    bad = batch.block_tables.clone()
+    bad[0, 2] = batch.k_cache.shape[0]
+    with pytest.raises(ValueError, match="blocks in"):
+        call(32, 8, tables=bad)
+    assert torch.equal(out, torch.full_like(out, 3.0))
+    with pytest.raises(ValueError, match="q_starts"):
+        cpu_ops.paged_extend_attention(
+            q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([32], dtype=torch.int32),
+            torch.tensor([8], dtype=torch.int32),
+            0.2,
+        )
