@@ -166,6 +166,41 @@ def write_kv(
         )
 
 
+def _check_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    tables_of: str,
+    index: tuple[tuple[str, torch.Tensor, torch.dtype], ...],
+    count: int,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int, torch.Tensor]:
+    """The checks the paged attention calls share: q [T, Hq, D] float32 against the caches,
+    int32 block tables [``tables_of``, max_blocks], each ``index`` tensor of its dtype and
+    [count], and ``out`` (a new tensor when None). Returns (num_blocks, block_size, the cache's
+    kernel kind, out)."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_rank("q", q, 3)
+    _f32("q", q)
+    kind = kv_kind(k_cache)
+    check_gqa(q.shape[1], num_kv_heads)
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be int32 [{tables_of}, max_blocks]")
+    for name, t, dtype in index:
+        if t.dtype != dtype or t.shape != (count,):
+            raise ValueError(f"{name} must be {dtype} [{count}]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)}")
+    return num_blocks, block_size, kind, out
+
+
 def paged_attention_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -188,32 +223,16 @@ def paged_attention_rows(
     Raises ValueError, reading nothing, if a row is out of range, sees no position or more than
     its table holds, or the table names a block the cache does not have.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_rank("q", q, 3)
-    _f32("q", q)
-    kind = kv_kind(k_cache)
     if split_len < 32 or split_len % 32:
         raise ValueError(f"split_len must be a positive multiple of 32, got {split_len}")
-    num_q_rows, num_q_heads, _ = q.shape
-    check_gqa(num_q_heads, num_kv_heads)
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError("block_tables must be int32 [num_seqs, max_blocks]")
     num_rows = row_ids.shape[0]
-    for name, t, dtype in (
-        ("row_ids", row_ids, torch.int64),
-        ("row_seqs", row_seqs, torch.int32),
-        ("row_lens", row_lens, torch.int32),
-    ):
-        if t.dtype != dtype or t.shape != (num_rows,):
-            raise ValueError(f"{name} must be {dtype} [{num_rows}]")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    if out is None:
-        out = torch.empty(num_q_rows, num_q_heads, head_dim, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)}")
+    index = (("row_ids", row_ids, torch.int64), ("row_seqs", row_seqs, torch.int32))
+    index += (("row_lens", row_lens, torch.int32),)
+    num_blocks, block_size, kind, out = _check_paged(
+        q, k_cache, v_cache, block_tables, "num_seqs", index, num_rows, out
+    )
+    num_q_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     if num_rows == 0:
         return out
     tables = block_tables.contiguous()
@@ -280,35 +299,19 @@ def paged_extend_attention(
     those rows of ``out`` [T, Hq, D] (a new tensor when None) and returns it.
 
     The same arithmetic as :func:`paged_attention_rows` per row, but rows share the reads: a
-    tile of 16 rows widens each chunk of 32 cached positions once and scores it as a small
+    tile of up to 32 rows widens each chunk of 32 cached positions once and scores it as a small
     matrix product (csrc/extend_tiles.h), where the per-row kernel rereads the whole prefix for
     every row. Raises ValueError, reading nothing, for rows outside q, an empty extend or a
     table that is too short or names a block the cache does not have.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_rank("q", q, 3)
-    _f32("q", q)
-    kind = kv_kind(k_cache)
-    num_q_rows, num_q_heads, _ = q.shape
-    check_gqa(num_q_heads, num_kv_heads)
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError("block_tables must be int32 [num_extends, max_blocks]")
-    num_ext = block_tables.shape[0]
-    for name, t, dtype in (
-        ("q_starts", q_starts, torch.int64),
-        ("prefix_lens", prefix_lens, torch.int32),
-        ("extend_lens", extend_lens, torch.int32),
-    ):
-        if t.dtype != dtype or t.shape != (num_ext,):
-            raise ValueError(f"{name} must be {dtype} [{num_ext}]")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    if out is None:
-        out = torch.empty(num_q_rows, num_q_heads, head_dim, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 {tuple(q.shape)}")
+    num_ext = block_tables.shape[0] if block_tables.dim() == 2 else 0
+    index = (("q_starts", q_starts, torch.int64), ("prefix_lens", prefix_lens, torch.int32))
+    index += (("extend_lens", extend_lens, torch.int32),)
+    num_blocks, block_size, kind, out = _check_paged(
+        q, k_cache, v_cache, block_tables, "num_extends", index, num_ext, out
+    )
+    num_q_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     if num_ext == 0 or num_q_rows == 0:
         return out
     tables = block_tables.contiguous()

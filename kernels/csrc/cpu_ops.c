@@ -7,7 +7,7 @@
  *   write_kv:   this step's k and v rows into their slots of the paged cache (float32, or
  *               rounded to its float16 / bfloat16);
  *   paged_attention: query rows against their sequences' cached K/V, read in place through
- *               the block tables (decode rows);
+ *               the block tables (decode rows, and extends of a row or two);
  *   paged_extend_attention: an extend's new rows after a cached prefix, in tiles of rows
  *               that share each chunk of cached positions (extend_tiles.h);
  *   silu_mul:   silu(gate) * up of a fused gate/up output.
