@@ -55,8 +55,9 @@ class EngineConfig:
 
     ``int8_activations`` (GGUF block weights on CPU): decode-sized matmuls (up to 16 rows) round
     their inputs to int8 per block of 32, as llama.cpp's CPU decode does, and sum integer
-    products (AVX-512 VNNI; kernels/csrc/q8_act.h). Off by default: the float32 path gives the
-    dequantized model's logits, and int8 inputs make them depend on how tokens were batched.
+    products (AVX-512 VNNI or AVX2; kernels/csrc/q8_act.h). Off by default: the float32 path
+    gives the dequantized model's logits, and int8 inputs make them depend on how tokens were
+    batched.
 
     ``cuda_graphs`` (CUDA only) replays decode steps of up to ``max_num_seqs`` sequences from
     captured graphs, one launch per step instead of hundreds (engine/decode_graphs.py).

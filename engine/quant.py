@@ -246,14 +246,14 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
 def use_int8_activations_(model: nn.Module) -> bool:
     """Let every block weight of ``model`` take int8 activations in decode-sized matmuls
     (kernels/csrc/q8_act.h); False, changing nothing, when the model has no block weights.
-    Warns where the host lacks AVX-512 VNNI: there the int8 path is portable C, slower than
-    float32."""
+    Warns where the host has neither AVX-512 VNNI nor AVX2: there the int8 path is portable C,
+    slower than float32."""
     weights = _block_weights(model)
     if not weights:
         log.warning("int8_activations asked for, but the model has no GGUF block weights")
         return False
     if not q8_activations_fast():
-        log.warning("int8_activations on a CPU without AVX-512 VNNI: slower than float32 here")
+        log.warning("int8_activations on a CPU without AVX2 or AVX-512 VNNI: slower than float32")
     for weight in weights:
         weight.int8_activations = True
     return True

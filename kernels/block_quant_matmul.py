@@ -170,8 +170,9 @@ def block_quant_matmul(
 
 
 def q8_activations_fast(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
-    """True when the build with ``flags`` runs int8 activations on AVX-512 VNNI. Elsewhere they
-    take portable C loops, slower than the float32 path, kept as the VNNI path's yardstick."""
+    """True when the build with ``flags`` runs int8 activations on AVX-512 VNNI or AVX2.
+    Elsewhere they take portable C loops, slower than the float32 path, kept as the vector
+    paths' yardstick."""
     return bool(load_library("block_quant_matmul.c", flags).block_quant_q8a_fast())
 
 

@@ -58,10 +58,10 @@ int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const fl
     return 0;
 }
 
-/* 1 when int8 activations run on AVX-512 VNNI here, 0 when on the portable loops (which are
- * slower than the float32 path: the engine only turns int8 activations on where this is 1) */
+/* 1 when int8 activations run on AVX-512 VNNI or AVX2 here, 0 when on the portable loops (which
+ * are slower than the float32 path: the engine only turns int8 activations on where this is 1) */
 int block_quant_q8a_fast(void) {
-#if defined(Q8A_VNNI)
+#if defined(Q8A_SIMD)
     return 1;
 #else
     return 0;

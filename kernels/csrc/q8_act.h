@@ -4,7 +4,8 @@
  * activations the block kernel (block_quant.h) spends its time widening codes to floats, not
  * reading them. Here each 32-element block of an activation row is quantized to int8 with its
  * own scale (dx = max|x| / 127, codes round(x / dx)), and a weight block's dot product with it is
- * a sum of integer products, exact in int32 (AVX-512 VNNI does 64 byte products an instruction):
+ * a sum of integer products, exact in int32 (AVX-512 VNNI does 64 byte products an instruction,
+ * AVX2 32 in two, vpmaddubsw then vpmaddwd, as llama.cpp's AVX2 path does):
  *
  *   x . w = sum over blocks b of d_b dx_b sum_i c_bi xq_bi  +  m_b dx_b sum_i xq_bi
  *
@@ -18,7 +19,7 @@
  * % 2, and, for q8_16, to its first half when l < 8. A row with an odd number of blocks ends in a
  * half pair whose second block is all zeros and is never read from the weights.
  *
- * One fixed order on every path, so the VNNI build and the portable one give the same bits:
+ * One fixed order on every path, so the VNNI, AVX2 and portable builds give the same bits:
  * lane l accumulates fma(float(isum_l), fl(d_l * dx_l), acc_l) pair by pair; the 16 lanes are
  * added as (l, l+8), (l, l+4), (l, l+2), (l, l+1); then the m terms are added: fma(m_b, sx_b, .)
  * into lane b % 16 in block order from zero, its lanes added in the same fixed order.
@@ -34,6 +35,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8A_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8A_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(Q8A_VNNI) || defined(Q8A_AVX2)
+#define Q8A_SIMD 1
+/* rows of x that share one unpacking of a pair's codes */
+#define Q8A_ROWS 4
 #endif
 
 #define PAIR_BYTES 64
@@ -151,6 +160,20 @@ static inline float m_term(int kind, const float *m, const float *sx, int64_t nb
     float lanes[PAIR_LANES];
     _mm512_storeu_ps(lanes, acc);
     return reduce_lanes(lanes);
+#elif defined(Q8A_AVX2)
+    /* lanes 0-7 and 8-15 of whole rounds of 16 blocks in two vectors, the last round's blocks
+     * one at a time into the same lanes: the same fmas, in the same order, as the loop below */
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(sx + b), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(m + b + 8), _mm256_loadu_ps(sx + b + 8), hi);
+    }
+    float lanes[PAIR_LANES];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (; b < nb; b++) lanes[b % 16] = fmaf(m[b], sx[b], lanes[b % 16]);
+    return reduce_lanes(lanes);
 #else
     float acc[PAIR_LANES] = {0};
     for (int64_t b = 0; b < nb; b++) acc[b % 16] = fmaf(m[b], sx[b], acc[b % 16]);
@@ -219,7 +242,7 @@ static ALWAYS_INLINE __m512 pair_scales16(int kind, const float *d, int64_t p, i
 static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, const void *codes,
                                        const float *d, const float *m, const int R, float *res) {
     const int64_t nb = k / QBLOCK, pairs = q8_pairs(k);
-    __m512 acc[GROUP];
+    __m512 acc[Q8A_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         const int full = 2 * p + 1 < nb;
@@ -238,6 +261,78 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
     for (int r = 0; r < R; r++) res[r] = reduce_lanes16(acc[r]) + m_term(kind, m, x[r].sx, nb);
 }
 
+#elif defined(Q8A_AVX2)
+/* A pair is two 256-bit halves here: lanes 0-7 (bytes 0-31) and lanes 8-15 (bytes 32-63). */
+
+/* the pair's codes in pair order, as the bytes vpmaddubsw multiplies: q4 codes (0..15) as they
+ * are; q8 codes signed, so their absolute values, with their signs moved onto x (sign_x). The
+ * +128 of pair_codes would overflow vpmaddubsw's int16 sums (2 * 255 * 127), and |c| <= 128
+ * cannot (2 * 128 * 127 = 32512); the lane sums are the same integers either way. */
+static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, int full,
+                                      __m256i *u, __m256i *sign) {
+    if (kind == 4) {
+        const uint8_t *c = (const uint8_t *)codes + p * 32;
+        const __m256i v = full ? _mm256_loadu_si256((const __m256i *)c)
+                               : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)c));
+        const __m256i low4 = _mm256_set1_epi8(15);
+        u[0] = _mm256_and_si256(v, low4);
+        u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        return;
+    }
+    /* 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi] to [b lo, b+1 lo] and [b hi, b+1 hi] */
+    const int8_t *c = (const int8_t *)codes + p * 64;
+    const __m256i a = _mm256_loadu_si256((const __m256i *)c);
+    const __m256i b = full ? _mm256_loadu_si256((const __m256i *)(c + 32)) : _mm256_setzero_si256();
+    sign[0] = _mm256_permute2x128_si256(a, b, 0x20);
+    sign[1] = _mm256_permute2x128_si256(a, b, 0x31);
+    u[0] = _mm256_abs_epi8(sign[0]);
+    u[1] = _mm256_abs_epi8(sign[1]);
+}
+
+/* the pair's weight scales per lane (see lane_d), lanes 0-7 and 8-15 */
+static ALWAYS_INLINE void pair_scales8(int kind, const float *d, int64_t p, int full, __m256 *dv) {
+    if (kind == 16) {
+        const float *q = d + 4 * p;
+        const float b1_lo = full ? q[2] : 0.0f, b1_hi = full ? q[3] : 0.0f;
+        dv[0] = _mm256_set_m128(_mm_set1_ps(b1_lo), _mm_set1_ps(q[0]));
+        dv[1] = _mm256_set_m128(_mm_set1_ps(b1_hi), _mm_set1_ps(q[1]));
+        return;
+    }
+    const float b1 = full ? d[2 * p + 1] : 0.0f;
+    dv[0] = dv[1] = _mm256_set_m128(_mm_set1_ps(b1), _mm_set1_ps(d[2 * p]));
+}
+
+/* res[r] = x[r] . W_row for r < R: the pair's codes unpacked once for all R rows */
+static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, const void *codes,
+                                       const float *d, const float *m, const int R, float *res) {
+    const int64_t nb = k / QBLOCK, pairs = q8_pairs(k);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[Q8A_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const int full = 2 * p + 1 < nb;
+        __m256i u[2], sign[2];
+        __m256 dv[2];
+        pair_codes8(kind, codes, p, full, u, sign);
+        pair_scales8(kind, d, p, full, dv);
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256i xq = _mm256_loadu_si256((const __m256i *)(x[r].xq + p * PAIR_BYTES + 32 * h));
+                if (kind != 4) xq = _mm256_sign_epi8(xq, sign[h]);
+                const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], xq), ones);
+                const __m256 scale =
+                    _mm256_mul_ps(dv[h], _mm256_loadu_ps(x[r].dxl + p * PAIR_LANES + 8 * h));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r][h]);
+            }
+    }
+    /* reduce_lanes' order: (l, l+8), then hsum8's */
+    for (int r = 0; r < R; r++)
+        res[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + m_term(kind, m, x[r].sx, nb);
+}
+#endif
+
+#if defined(Q8A_SIMD)
+
 static ALWAYS_INLINE void q8a_dot_rows_kind(int kind, const q8_row *x, int64_t k,
                                             const void *codes, const float *d, const float *m,
                                             int rows, float *res) {
@@ -245,7 +340,7 @@ static ALWAYS_INLINE void q8a_dot_rows_kind(int kind, const q8_row *x, int64_t k
     case 1: q8a_dot_rows(kind, x, k, codes, d, m, 1, res); break;
     case 2: q8a_dot_rows(kind, x, k, codes, d, m, 2, res); break;
     case 3: q8a_dot_rows(kind, x, k, codes, d, m, 3, res); break;
-    default: q8a_dot_rows(kind, x, k, codes, d, m, GROUP, res); break;
+    default: q8a_dot_rows(kind, x, k, codes, d, m, Q8A_ROWS, res); break;
     }
 }
 #endif
@@ -260,10 +355,10 @@ static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, 
         const void *cj;
         const float *dj, *mj;
         row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
-#if defined(Q8A_VNNI)
-        for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
-            float res[GROUP];
-            const int g = rows - r0 < GROUP ? (int)(rows - r0) : GROUP;
+#if defined(Q8A_SIMD)
+        for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
+            float res[Q8A_ROWS];
+            const int g = rows - r0 < Q8A_ROWS ? (int)(rows - r0) : Q8A_ROWS;
             if (kind == 4)
                 q8a_dot_rows_kind(4, x + r0, k, cj, dj, mj, g, res);
             else if (kind == 8)

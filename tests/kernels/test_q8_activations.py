@@ -1,9 +1,11 @@
-"""Block weights against int8 activations (csrc/q8_act.h): the VNNI build and the portable one
-give the same bits, each row's result is independent of its batch, and both match a float64
-reference over the same quantized activations to float32 rounding."""
+"""Block weights against int8 activations (csrc/q8_act.h): the native build (VNNI or AVX2), the
+AVX2 build and the portable one give the same bits, each row's result is independent of its
+batch, and all match a float64 reference over the same quantized activations to float32
+rounding."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,9 +17,9 @@ from prefixrag.kernels.block_quant_matmul import (
     quantize_activations_torch,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
-from prefixrag.kernels.native_build import DEFAULT_FLAGS
+from tests.kernels.test_block_quant_matmul import ALL_FLAGS, random_gguf_blocks
+from tests.kernels.test_block_quant_matmul import AVX2_FLAGS as AVX2
 from tests.kernels.test_block_quant_matmul import PORTABLE_FLAGS as PORTABLE
-from tests.kernels.test_block_quant_matmul import random_gguf_blocks
 
 # every kind: q4 (Q4_1, Q4_K), q8 (Q8_0), q8_16 (Q6_K), q8m (Q5_1); K with an odd number of
 # blocks ends in a half pair
@@ -45,18 +47,40 @@ def test_matches_the_float64_reference_on_every_build(gguf_type, k):
     w, x = weight_and_x(gguf_type, k, rows=5)
     want = block_quant_matmul_q8a_torch(x, w)
     scale = (x.abs().double() @ block_quant_matmul_torch(torch.eye(k), w).abs().double()).max()
-    for flags in (DEFAULT_FLAGS, PORTABLE):
+    for flags in ALL_FLAGS.values():
         got = block_quant_matmul(x, w, flags, int8_activations=True).double()
         # float32 sums of up to K terms of the reference's exact integer block sums
         assert (got - want).abs().max() <= 1e-6 * scale
 
 
 @pytest.mark.parametrize(("gguf_type", "k"), CASES)
-def test_vnni_and_portable_builds_agree_bit_for_bit(gguf_type, k):
+def test_every_build_agrees_bit_for_bit(gguf_type, k):
+    # rows 6: a group of four and a group of two, on every path
     w, x = weight_and_x(gguf_type, k, rows=6)
-    native = block_quant_matmul(x, w, int8_activations=True)
     portable = block_quant_matmul(x, w, PORTABLE, int8_activations=True)
-    assert torch.equal(native, portable)
+    for name in ("native", "avx2"):
+        got = block_quant_matmul(x, w, ALL_FLAGS[name], int8_activations=True)
+        assert torch.equal(got, portable), name
+
+
+def test_extreme_codes_do_not_saturate():
+    # AVX2 multiplies bytes in pairs into int16 (vpmaddubsw): weight codes of -128 against
+    # activation codes of +-127 are the largest sums there are (2 * 128 * 127), on every path
+    n, k = 5, 96
+    nb = k // 32
+    d = np.full((n, nb, 1), 0.01, dtype=np.float16).view(np.uint8)
+    codes = np.full((n, nb, 32), -128, dtype=np.int8)
+    codes[1::2, :, ::3] = 127  # mixed signs in some rows
+    raw = np.concatenate([d, codes.view(np.uint8)], axis=-1).reshape(n, -1)
+    w = from_gguf_blocks(raw, "Q8_0", (n, k))
+    x = torch.full((3, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # every block's max is 1: codes +-127 exactly
+    want = block_quant_matmul_q8a_torch(x, w)
+    assert want.abs().max() > 100  # the sums really are large
+    for name, flags in ALL_FLAGS.items():
+        got = block_quant_matmul(x, w, flags, int8_activations=True).double()
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max(), name
 
 
 @pytest.mark.parametrize(("gguf_type", "k"), CASES[:4])
@@ -91,8 +115,11 @@ def test_activation_quantization_rounds_half_to_even_and_keeps_the_extremes():
     )
 
 
-def test_the_fast_path_is_the_vnni_build():
+def test_the_fast_paths_are_the_vnni_and_avx2_builds():
     with open("/proc/cpuinfo") as f:
         flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    assert q8_activations_fast() == ("avx512_vnni" in flags and "avx512bw" in flags)
+    vnni = "avx512_vnni" in flags and "avx512bw" in flags
+    avx2 = "avx2" in flags and "fma" in flags
+    assert q8_activations_fast() == (vnni or avx2)
+    assert q8_activations_fast(AVX2) == avx2
     assert not q8_activations_fast(PORTABLE)
