@@ -212,10 +212,15 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
                 sc->act[e] = g[0] / (1.0f + expf(-g[0])) * g[inter];
             }
             if (sh->act_q8) {
+                /* block by block: at batch 1 a row per thread left the others waiting */
+                const int64_t nb = inter / QBLOCK;
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < rows; r++) {
-                    q[r] = q8_row_at(q_buf + r * q_stride, inter);
-                    quantize_row_q8(sc->act + r * inter, inter, q + r);
+                for (int64_t e = 0; e < rows * nb; e++) {
+                    const int64_t r = e / nb, blk = e % nb;
+                    q8_row qr = q8_row_at(q_buf + r * q_stride, inter);
+                    quantize_block_q8(sc->act + r * inter + blk * QBLOCK, blk, &qr);
+                    if (blk == nb - 1) pad_q8_row(&qr, nb);
+                    if (blk == 0) q[r] = qr;
                 }
             }
             matmul_for(sh, &ly->down, sc->act, q, x, rows, hidden, inter, w);

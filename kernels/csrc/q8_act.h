@@ -38,6 +38,8 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define Q8A_AVX2 1
 #include <immintrin.h>
+#elif defined(__AVX2__)
+#include <immintrin.h> /* quantize_block_q8's vector loop */
 #endif
 #if defined(Q8A_VNNI) || defined(Q8A_AVX2)
 #define Q8A_SIMD 1
@@ -77,33 +79,81 @@ static inline q8_row q8_row_at(void *buf, int64_t k) {
     return r;
 }
 
+/* Block b of a row, x's 32 floats at xb, into q: its codes, its lanes' dx and code sums (xs),
+ * and sx[b]. Blocks touch disjoint bytes of q, so threads may quantize a row's blocks at once. */
+static inline void quantize_block_q8(const float *xb, int64_t b, q8_row *q) {
+    const int64_t h = b % 2;
+    int8_t *pair = q->xq + (b / 2) * PAIR_BYTES;
+    float *dxl = q->dxl + (b / 2) * PAIR_LANES;
+    int32_t *xs = q->xs + (b / 2) * PAIR_LANES;
+#if defined(__AVX2__)
+    /* the loop below in vectors, the same bits: max is exact in any order, cvtps2dq rounds
+     * half to even as nearbyintf does (the default rounding mode), and sums of codes are exact */
+    __m256 v[4];
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+    const __m256 m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]));
+    const __m256 m8 = _mm256_max_ps(m01, m23);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m128i total = _mm_setzero_si128();
+    for (int half = 0; half < 2; half++) { /* elements 0-15, then 16-31 */
+        const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half], _mm256_set1_ps(inv)));
+        const __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half + 1], _mm256_set1_ps(inv)));
+        const __m128i a0 = _mm256_castsi256_si128(c0), a1 = _mm256_extracti128_si256(c0, 1);
+        const __m128i b0 = _mm256_castsi256_si128(c1), b1 = _mm256_extracti128_si256(c1, 1);
+        /* |codes| <= 127: the saturating packs are exact and keep element order */
+        const __m128i bytes = _mm_packs_epi16(_mm_packs_epi32(a0, a1), _mm_packs_epi32(b0, b1));
+        _mm_storeu_si128((__m128i *)(pair + half * 32 + h * 16), bytes);
+        /* lane sums of four codes: elements 0-3, 4-7, 8-11, 12-15 of this half */
+        const __m128i lanes = _mm_hadd_epi32(_mm_hadd_epi32(a0, a1), _mm_hadd_epi32(b0, b1));
+        _mm_storeu_si128((__m128i *)(xs + half * 8 + h * 4), lanes);
+        _mm_storeu_ps(dxl + half * 8 + h * 4, _mm_set1_ps(dx));
+        total = _mm_add_epi32(total, lanes);
+    }
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, _MM_SHUFFLE(1, 0, 3, 2)));
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, _MM_SHUFFLE(2, 3, 0, 1)));
+    q->sx[b] = dx * (float)_mm_cvtsi128_si32(total);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int half = 0; half < 2; half++) { /* elements 0-15, then 16-31 */
+        int8_t *dst = pair + half * 32 + h * 16;
+        for (int j = 0; j < 16; j++) {
+            dst[j] = (int8_t)nearbyintf(xb[half * 16 + j] * inv);
+            sum += dst[j];
+        }
+        for (int l = 0; l < 4; l++) {
+            const int8_t *c = dst + 4 * l;
+            xs[half * 8 + h * 4 + l] = c[0] + c[1] + c[2] + c[3];
+            dxl[half * 8 + h * 4 + l] = dx;
+        }
+    }
+    q->sx[b] = dx * (float)sum;
+#endif
+}
+
+/* A row with an odd number of blocks ends in a half pair: its absent second block is zeros. */
+static inline void pad_q8_row(q8_row *q, int64_t nb) {
+    if (nb % 2 == 0) return;
+    const int64_t p = nb / 2;
+    for (int half = 0; half < 2; half++) {
+        memset(q->xq + p * PAIR_BYTES + half * 32 + 16, 0, 16);
+        memset(q->dxl + p * PAIR_LANES + half * 8 + 4, 0, 4 * sizeof(float));
+        memset(q->xs + p * PAIR_LANES + half * 8 + 4, 0, 4 * sizeof(int32_t));
+    }
+}
+
 /* x [k] (k a multiple of 32) into q */
 static inline void quantize_row_q8(const float *x, int64_t k, q8_row *q) {
-    const int64_t nb = k / QBLOCK, pairs = q8_pairs(k);
-    memset(q->xq, 0, (size_t)(pairs * PAIR_BYTES));
-    memset(q->dxl, 0, (size_t)(pairs * PAIR_LANES) * sizeof(float));
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QBLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const int64_t h = b % 2;
-        int8_t *pair = q->xq + (b / 2) * PAIR_BYTES;
-        int32_t sum = 0;
-        for (int half = 0; half < 2; half++) { /* elements 0-15, then 16-31 */
-            int8_t *dst = pair + half * 32 + h * 16;
-            for (int j = 0; j < 16; j++) {
-                dst[j] = (int8_t)nearbyintf(xb[half * 16 + j] * inv);
-                sum += dst[j];
-            }
-            for (int l = 0; l < 4; l++) q->dxl[(b / 2) * PAIR_LANES + half * 8 + h * 4 + l] = dx;
-        }
-        q->sx[b] = dx * (float)sum;
-    }
-    for (int64_t l = 0; l < pairs * PAIR_LANES; l++) {
-        const int8_t *c = q->xq + 4 * l;
-        q->xs[l] = c[0] + c[1] + c[2] + c[3];
-    }
+    const int64_t nb = k / QBLOCK;
+    for (int64_t b = 0; b < nb; b++) quantize_block_q8(x + b * QBLOCK, b, q);
+    pad_q8_row(q, nb);
 }
 
 /* lane l of a pair: its block within the pair (0 or 1) and, for q8_16, its half of that block */
@@ -277,6 +327,7 @@ static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, in
         const __m256i low4 = _mm256_set1_epi8(15);
         u[0] = _mm256_and_si256(v, low4);
         u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        sign[0] = sign[1] = _mm256_setzero_si256(); /* unused for q4 */
         return;
     }
     /* 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi] to [b lo, b+1 lo] and [b hi, b+1 hi] */
@@ -317,7 +368,8 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
         pair_scales8(kind, d, p, full, dv);
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) {
-                __m256i xq = _mm256_loadu_si256((const __m256i *)(x[r].xq + p * PAIR_BYTES + 32 * h));
+                const int8_t *xp = x[r].xq + p * PAIR_BYTES + 32 * h;
+                __m256i xq = _mm256_loadu_si256((const __m256i *)xp);
                 if (kind != 4) xq = _mm256_sign_epi8(xq, sign[h]);
                 const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], xq), ones);
                 const __m256 scale =
