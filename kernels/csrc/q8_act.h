@@ -330,12 +330,15 @@ static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, in
         sign[0] = sign[1] = _mm256_setzero_si256(); /* unused for q4 */
         return;
     }
-    /* 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi] to [b lo, b+1 lo] and [b hi, b+1 hi] */
+    /* 16-byte quarters [b lo, b hi, b+1 lo, b+1 hi] to [b lo, b+1 lo] and [b hi, b+1 hi], loaded
+     * as halves (vinserti128 from memory: a cross-lane permute costs 8 uops on Zen 1) */
     const int8_t *c = (const int8_t *)codes + p * 64;
-    const __m256i a = _mm256_loadu_si256((const __m256i *)c);
-    const __m256i b = full ? _mm256_loadu_si256((const __m256i *)(c + 32)) : _mm256_setzero_si256();
-    sign[0] = _mm256_permute2x128_si256(a, b, 0x20);
-    sign[1] = _mm256_permute2x128_si256(a, b, 0x31);
+    for (int h = 0; h < 2; h++) {
+        const __m128i *lo = (const __m128i *)(c + 16 * h);
+        const __m256i first = _mm256_zextsi128_si256(_mm_loadu_si128(lo));
+        const __m128i *second = (const __m128i *)(c + 32 + 16 * h);
+        sign[h] = full ? _mm256_inserti128_si256(first, _mm_loadu_si128(second), 1) : first;
+    }
     u[0] = _mm256_abs_epi8(sign[0]);
     u[1] = _mm256_abs_epi8(sign[1]);
 }
