@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixrag.engine.packed_gemm import pack_weight, packed_linear
 from prefixrag.kernels.block_quant_matmul import (
     MAX_K,
     QBLOCK,
@@ -123,7 +124,7 @@ def linear(
             out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
         else:
             dense = weight.dense if weight.dense is not None else block_quant_dequantize(weight)
-            out = F.linear(x, dense)
+            out = packed_linear(x, dense)
         return out if bias is None else out + bias
     if isinstance(weight, Int8Weight):
         out = weight.matmul(x)
@@ -232,14 +233,15 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
 
     A prefill-sized matmul otherwise dequantizes each matrix again on every forward: a fixed
     cost per step that no prefix or chunk reuse can remove, and the larger share of a short
-    prefill's time. Decode keeps reading the blocks (a fifth of the bytes).
+    prefill's time. Decode keeps reading the blocks (a fifth of the bytes). The matrix is kept in
+    the prefill GEMM's packed layout (engine/packed_gemm.py), in the same bytes.
     """
     weights = _block_weights(model)
     total = sum(w.shape[0] * w.shape[1] * 4 for w in weights)
     if not weights or total > max_bytes:
         return 0
     for weight in weights:
-        weight.dense = block_quant_dequantize(weight)
+        weight.dense = pack_weight(block_quant_dequantize(weight))
     return total
 
 

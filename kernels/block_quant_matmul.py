@@ -39,8 +39,9 @@ class BlockQuantWeight:
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
-    # the float32 matrix, kept by the engine for prefill-sized matmuls when memory allows
-    dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # the float32 matrix, kept by the engine for prefill-sized matmuls when memory allows (in
+    # the engine's packed GEMM layout where it can: engine/packed_gemm.py)
+    dense: object | None = field(default=None, repr=False, compare=False)
     # decode-sized matmuls quantize x to int8 first (engine option int8_activations)
     int8_activations: bool = field(default=False, compare=False)
 
