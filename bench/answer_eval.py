@@ -78,7 +78,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 # Prompt variants: settings for the app (files under bench/prompts/). "" is the packaged prompt.
 PROMPTS_DIR = Path(__file__).parent / "prompts"
-PROMPTS: dict[str, dict[str, Path]] = {
+PROMPTS: dict[str, dict[str, Any]] = {
     "": {},
     "no_examples": {"few_shot_file": PROMPTS_DIR / "no_examples.json"},
     "tech_examples": {"few_shot_file": PROMPTS_DIR / "tech_examples.json"},
@@ -88,6 +88,9 @@ PROMPTS: dict[str, dict[str, Path]] = {
         "system_prompt_file": PROMPTS_DIR / "quote_system.txt",
         "few_shot_file": PROMPTS_DIR / "quote_examples.json",
     },
+    # the best evidence sentences repeated just before the question (Settings.answer_key_lines)
+    "key1": {"answer_key_lines": 1},
+    "key2": {"answer_key_lines": 2},
 }
 
 
@@ -202,7 +205,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _described(config: str) -> dict[str, Any]:
     fields, prompt = parse_config(config)
-    files = {k: str(v.relative_to(PROMPTS_DIR.parent)) for k, v in PROMPTS[prompt].items()}
+    files = {
+        k: str(v.relative_to(PROMPTS_DIR.parent)) if isinstance(v, Path) else v
+        for k, v in PROMPTS[prompt].items()
+    }
     return {**CONFIGS[fields], **files}
 
 

@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     answer_max_tokens: int = Field(128, ge=1)
     # evidence spans: the best sentences of each cited chunk for the question (0 turns them off)
     evidence_spans: int = Field(2, ge=0, le=8)
+    # this many of the question's best evidence sentences, across its sources, repeated just
+    # before the question in the prompt of a first turn (0: none)
+    answer_key_lines: int = Field(0, ge=0, le=4)
 
     # serving
     host: str = "127.0.0.1"

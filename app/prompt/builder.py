@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from prefixrag.app.core.errors import PromptTooLongError
@@ -32,6 +32,7 @@ from prefixrag.app.prompt.parts import (
     Turn,
     clean_answer,
     clean_text,
+    format_key_lines,
     format_question,
     format_sources,
     load_prompt_config,
@@ -204,6 +205,27 @@ class PromptBuilder:
             first_number=len(cited) + 1,
             reused=[(cited[s.chunk_id], s) for s in ranked if s.chunk_id in cited],
             dropped_turns=num_dropped_turns,
+        )
+
+    def with_key_lines(
+        self,
+        prompt: BuiltPrompt,
+        question: str,
+        lines: list[tuple[int, str]],
+        *,
+        max_prompt_tokens: int,
+    ) -> BuiltPrompt:
+        """`prompt` with `lines` ((source number, sentence), best first) set just before its
+        question; `prompt` itself when there are none or they would not fit."""
+        if not lines:
+            return prompt
+        text = format_key_lines(lines) + format_question(clean_text(question)) + self._closing
+        question_ids = self.tokenizer.encode(text)
+        head = prompt.token_ids[: len(prompt.token_ids) - prompt.num_question_tokens]
+        if len(head) + len(question_ids) > max_prompt_tokens:
+            return prompt
+        return replace(
+            prompt, token_ids=[*head, *question_ids], num_question_tokens=len(question_ids)
         )
 
     def text(self, question: str, sources: list[Source], history: list[Turn] | None = None) -> str:

@@ -109,7 +109,27 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     evidence = await run_in_threadpool(
         _find_evidence, pipeline, query.question, found.query_vector, prompt, timings
     )
+    if settings.answer_key_lines and not history:
+        # a first turn only: a follow-up's prompt repeats earlier turns without their key lines
+        lines = key_lines(prompt, evidence, settings.answer_key_lines)
+        prompt = pipeline.prompts.with_key_lines(
+            prompt, query.question, lines, max_prompt_tokens=room
+        )
     return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
+
+
+def key_lines(
+    prompt: BuiltPrompt, evidence: dict[int, list[EvidenceSpan]], limit: int
+) -> list[tuple[int, str]]:
+    """The `limit` best evidence sentences of the prompt's sources, as (source number, text),
+    best first (scores compare within one question)."""
+    scored = [
+        (span.score, n, source.text[span.start : span.end])
+        for n, source in prompt.numbered
+        for span in evidence.get(source.chunk_id, ())
+    ]
+    scored.sort(key=lambda item: -item[0])
+    return [(n, text) for _, n, text in scored[:limit]]
 
 
 def _find_evidence(

@@ -126,3 +126,30 @@ def test_spans_can_be_turned_off(documents):
         state.evidence = finder
     assert out["citations"] and all(c["evidence"] == [] for c in out["citations"])
     assert out["timings"]["evidence_ms"] == 0.0
+
+
+def test_key_lines_put_the_best_span_before_the_question(documents):
+    client, ids = documents
+    state = app_state(client)
+    body = {"question": CASES[2][3], "document_ids": [ids["lighthouse.pdf"]]}
+    plain = ask(client, **body).json()
+    settings = state.settings
+    state.settings = settings.model_copy(update={"answer_key_lines": 1})
+    try:
+        keyed = ask(client, **body).json()
+        follow_up = ask(client, **body, history=[{"question": "Who?", "answer": "A keeper."}])
+    finally:
+        state.settings = settings
+    # the best span of all the citations, with its source's number, and nothing else is added
+    n, best = max(
+        ((c["n"], e) for c in plain["citations"] for e in c["evidence"]),
+        key=lambda pair: pair[1]["score"],
+    )
+    assert CASES[2][4] in best["text"]
+    line = state.llm.encode(f"Key line [{n}]: {' '.join(best['text'].split())}\n")
+    added = keyed["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
+    assert added == len(line)
+    assert keyed["citations"] == plain["citations"]
+    # a follow-up's prompt repeats earlier turns as they were asked: no key lines there
+    unkeyed = ask(client, **body, history=[{"question": "Who?", "answer": "A keeper."}])
+    assert follow_up.json()["usage"]["prompt_tokens"] == unkeyed.json()["usage"]["prompt_tokens"]

@@ -351,3 +351,34 @@ def test_documents_are_ordered_to_follow_the_cached_prefix(
         "Q?", [b1, a2, a1], max_prompt_tokens=4000, cached_prefix_len=lambda ids: 0
     )
     assert [s.chunk_id for s in head_only.sources] == [1, 2, 3]
+
+
+def test_key_lines_sit_just_before_the_question_and_tokenize_like_the_whole_text(
+    builder: PromptBuilder, tokenizer: Tokenizer
+):
+    sources = make_sources(random.Random(11), 3)
+    built = builder.build("Where is the lamp?", sources, max_prompt_tokens=100_000)
+    lines = [(2, "The lamp  keeper\nlives by the coast."), (1, "<|im_end|> ash")]
+    keyed = builder.with_key_lines(built, "Where is the lamp?", lines, max_prompt_tokens=100_000)
+    head = len(built.token_ids) - built.num_question_tokens
+    assert keyed.token_ids[:head] == built.token_ids[:head]  # sources and stable part untouched
+    text = builder.text("Where is the lamp?", sources)
+    question_at = text.rindex("Question: Where is the lamp?")
+    whole = (
+        text[:question_at]
+        + "Key line [2]: The lamp keeper lives by the coast.\n"
+        + "Key line [1]: < |im_end|> ash\n"
+        + text[question_at:]
+    )
+    assert keyed.token_ids == tokenizer.encode(whole)
+    assert keyed.num_question_tokens == len(keyed.token_ids) - head
+    assert keyed.sources == built.sources and keyed.body_spans == built.body_spans
+
+
+def test_key_lines_that_do_not_fit_or_none_leave_the_prompt_as_it_was(builder: PromptBuilder):
+    sources = make_sources(random.Random(12), 2)
+    built = builder.build("Why?", sources, max_prompt_tokens=100_000)
+    assert builder.with_key_lines(built, "Why?", [], max_prompt_tokens=100_000) is built
+    tight = len(built.token_ids) + 3
+    long_line = [(1, "soil " * 50)]
+    assert builder.with_key_lines(built, "Why?", long_line, max_prompt_tokens=tight) is built
