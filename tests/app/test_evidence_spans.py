@@ -132,12 +132,15 @@ def test_key_lines_put_the_best_span_before_the_question(documents):
     client, ids = documents
     state = app_state(client)
     body = {"question": CASES[2][3], "document_ids": [ids["lighthouse.pdf"]]}
-    plain = ask(client, **body).json()
+    history = [{"question": "Who?", "answer": "A keeper."}]
     settings = state.settings
-    state.settings = settings.model_copy(update={"answer_key_lines": 1})
     try:
+        state.settings = settings.model_copy(update={"answer_key_lines": 0})
+        plain = ask(client, **body).json()
+        unkeyed = ask(client, **body, history=history)
+        state.settings = settings.model_copy(update={"answer_key_lines": 1})
         keyed = ask(client, **body).json()
-        follow_up = ask(client, **body, history=[{"question": "Who?", "answer": "A keeper."}])
+        follow_up = ask(client, **body, history=history)
     finally:
         state.settings = settings
     # the best span of all the citations, with its source's number, and nothing else is added
@@ -151,5 +154,4 @@ def test_key_lines_put_the_best_span_before_the_question(documents):
     assert added == len(line)
     assert keyed["citations"] == plain["citations"]
     # a follow-up's prompt repeats earlier turns as they were asked: no key lines there
-    unkeyed = ask(client, **body, history=[{"question": "Who?", "answer": "A keeper."}])
     assert follow_up.json()["usage"]["prompt_tokens"] == unkeyed.json()["usage"]["prompt_tokens"]
