@@ -42,6 +42,9 @@ def qa_settings(data_dir: Path, request: pytest.FixtureRequest, **overrides: Any
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
         "index_use_gpu": "no",
+        # these tests compare prompts with PromptBuilder.text, which knows no evidence: key
+        # lines have tests of their own (test_evidence_spans.py)
+        "answer_key_lines": 0,
     }
     fields.update(overrides)
     settings = Settings(**fields)
