@@ -215,11 +215,14 @@ class PromptBuilder:
         *,
         max_prompt_tokens: int,
     ) -> BuiltPrompt:
-        """`prompt` with `lines` ((source number, sentence), best first) set just before its
-        question; `prompt` itself when there are none or they would not fit."""
-        if not lines:
+        """`prompt` with `lines` ((chunk id, sentence), best first, of sources it lays out) set
+        just before its question, each cited by its source's number; `prompt` itself when there
+        are none or they would not fit. A follow-up repeats them from `Turn.key_lines`."""
+        numbers = {s.chunk_id: n for n, s in prompt.numbered}
+        numbered = [(numbers[c], text) for c, text in lines if c in numbers]
+        if not numbered:
             return prompt
-        text = format_key_lines(lines) + format_question(clean_text(question)) + self._closing
+        text = format_key_lines(numbered) + format_question(question) + self._closing
         question_ids = self.tokenizer.encode(text)
         head = prompt.token_ids[: len(prompt.token_ids) - prompt.num_question_tokens]
         if len(head) + len(question_ids) > max_prompt_tokens:
@@ -234,9 +237,10 @@ class PromptBuilder:
         parts = [self._stable_text]
         n = 1
         for i, turn in enumerate(history or []):
-            ordered = self._ordered(list(turn.sources))
-            parts += [format_sources(ordered, n, bool(i)), format_question(turn.question)]
-            parts += [self._closing, clean_answer(turn.answer), self._reopen]
+            ordered = list(turn.sources)
+            numbers = {s.chunk_id: m for m, s in enumerate(ordered, start=n)}
+            parts += [format_sources(ordered, n, bool(i)), self._question_text(turn, numbers)]
+            parts += [clean_answer(turn.answer), self._reopen]
             n += len(ordered)
         ordered = self._ordered(sources)
         parts += [format_sources(ordered, n, bool(history)), format_question(question)]
@@ -249,13 +253,21 @@ class PromptBuilder:
         ids = list(self.stable_ids)
         cited: dict[int, int] = {}
         for i, turn in enumerate(turns):
-            ordered = self._ordered(list(turn.sources))
+            # as the turn laid them out (cached-first may have moved a document ahead): the
+            # numbers its answer cites, and the ids its prompt had
+            ordered = list(turn.sources)
             ids += self._source_ids(ordered, len(cited) + 1, cache, bool(i))
-            ids += self.tokenizer.encode(format_question(turn.question) + self._closing)
-            ids += self.tokenizer.encode(clean_answer(turn.answer)) + self._reopen_ids
             for source in ordered:
                 cited[source.chunk_id] = len(cited) + 1
+            ids += self.tokenizer.encode(self._question_text(turn, cited))
+            ids += self.tokenizer.encode(clean_answer(turn.answer)) + self._reopen_ids
         return ids, cited
+
+    def _question_text(self, turn: Turn, numbers: dict[int, int]) -> str:
+        """An earlier turn's key lines (if it had any), question and closing delimiters, as its
+        own prompt had them; `numbers` maps its chunks to their source numbers."""
+        lines = [(numbers[c], text) for c, text in turn.key_lines if c in numbers]
+        return format_key_lines(lines) + format_question(turn.question) + self._closing
 
     def _ordered(self, sources: list[Source]) -> list[Source]:
         if self.order == "score":

@@ -107,11 +107,13 @@ def _few_shot(raw: dict[str, Any]) -> FewShot:
 @dataclass(slots=True, frozen=True)
 class Turn:
     """An earlier question and answer of the conversation, with the sources its turn laid out
-    (in prompt order; `sources` only holds the chunks that turn added, not ones cited before)."""
+    (in prompt order; `sources` only holds the chunks that turn added, not ones cited before)
+    and the key lines set before its question, as (chunk id, sentence)."""
 
     question: str
     answer: str
     sources: tuple[Source, ...] = ()
+    key_lines: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not clean_text(self.question):

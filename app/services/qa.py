@@ -12,8 +12,8 @@ prompt repeats every earlier turn exactly, so the engine's prefix cache serves a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 from sqlalchemy import select
@@ -91,6 +91,9 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
     history, found = await run_in_threadpool(_read, pipeline, query, tenant)
+    num_key_lines = settings.answer_key_lines if pipeline.evidence is not None else 0
+    if num_key_lines and history:
+        history = await run_in_threadpool(_with_key_lines, pipeline, history, num_key_lines)
     hits, timings = found.hits, dict(found.timings)
     if pipeline.on_retrieval is not None:
         pipeline.on_retrieval(timings)
@@ -109,9 +112,15 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     evidence = await run_in_threadpool(
         _find_evidence, pipeline, query.question, found.query_vector, prompt, timings
     )
-    if settings.answer_key_lines and not history:
-        # a first turn only: a follow-up's prompt repeats earlier turns without their key lines
-        lines = key_lines(prompt, evidence, settings.answer_key_lines)
+    if num_key_lines and prompt.sources:
+        # Over this turn's new sources only, found as a follow-up finds them again (see
+        # _with_key_lines): `evidence` is that very call when no earlier source is reused.
+        mine = evidence
+        if prompt.reused:
+            mine = await run_in_threadpool(
+                _turn_evidence, pipeline, query.question, prompt.sources, found.query_vector
+            )
+        lines = key_lines(prompt.sources, mine, num_key_lines)
         prompt = pipeline.prompts.with_key_lines(
             prompt, query.question, lines, max_prompt_tokens=room
         )
@@ -119,17 +128,47 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
 
 
 def key_lines(
-    prompt: BuiltPrompt, evidence: dict[int, list[EvidenceSpan]], limit: int
+    sources: Sequence[Source], evidence: dict[int, list[EvidenceSpan]], limit: int
 ) -> list[tuple[int, str]]:
-    """The `limit` best evidence sentences of the prompt's sources, as (source number, text),
-    best first (scores compare within one question)."""
+    """The `limit` best evidence sentences of `sources`, as (chunk id, text), best first (scores
+    compare within one question; ties keep the sources' order)."""
     scored = [
-        (span.score, n, source.text[span.start : span.end])
-        for n, source in prompt.numbered
+        (span.score, source.chunk_id, source.text[span.start : span.end])
+        for source in sources
         for span in evidence.get(source.chunk_id, ())
     ]
     scored.sort(key=lambda item: -item[0])
-    return [(n, text) for _, n, text in scored[:limit]]
+    return [(chunk_id, text) for _, chunk_id, text in scored[:limit]]
+
+
+def _with_key_lines(pipeline: QAPipeline, history: list[Turn], limit: int) -> list[Turn]:
+    """The earlier turns with the key lines their own prompts had, found again the same way (the
+    same question over the same chunks in the same order), so a follow-up's prompt still extends
+    them token for token and the prefix cache serves them."""
+    return [
+        replace(turn, key_lines=tuple(key_lines(turn.sources, evidence, limit)))
+        for turn in history
+        for evidence in [_turn_evidence(pipeline, turn.question, turn.sources, None)]
+    ]
+
+
+def _turn_evidence(
+    pipeline: QAPipeline,
+    question: str,
+    sources: Sequence[Source],
+    question_vector: np.ndarray | None,
+) -> dict[int, list[EvidenceSpan]]:
+    finder, retriever = pipeline.evidence, pipeline.retriever
+    if finder is None or not sources:
+        return {}
+    found = finder.find(
+        question,
+        [s.text for s in sources],
+        embedder=retriever.embedder,
+        reranker=retriever.reranker if retriever.is_reranking else None,
+        question_vector=question_vector,
+    )
+    return {s.chunk_id: spans for s, spans in zip(sources, found, strict=True)}
 
 
 def _find_evidence(
@@ -142,21 +181,13 @@ def _find_evidence(
     """Each citable source's best spans for this question (earlier turns' sources too: the
     answer may rest on them), timed into `timings["evidence_ms"]`. `question_vector` is
     retrieval's embedding of the question, when it made one."""
-    finder = pipeline.evidence
     sources = [source for _, source in prompt.numbered]
-    if finder is None or not sources:
+    if pipeline.evidence is None or not sources:
         return {}
     t0 = time.perf_counter()
-    retriever = pipeline.retriever
-    found = finder.find(
-        question,
-        [s.text for s in sources],
-        embedder=retriever.embedder,
-        reranker=retriever.reranker if retriever.is_reranking else None,
-        question_vector=question_vector,
-    )
+    found = _turn_evidence(pipeline, question, sources, question_vector)
     timings["evidence_ms"] = (time.perf_counter() - t0) * 1000.0
-    return {s.chunk_id: spans for s, spans in zip(sources, found, strict=True)}
+    return found
 
 
 def _read(
@@ -231,7 +262,9 @@ async def recover_chunk_ids(
 ) -> list[list[int]]:
     """The chunk ids each earlier question's turn added, found by retrieving it again (the same
     question over an unchanged index retrieves the same chunks), minus the chunks of the turns
-    before it. Assumes no chunk of those turns was dropped to fit the context window."""
+    before it, in canonical order (a turn whose documents were moved to follow the cache is laid
+    out again in that order). Assumes no chunk of those turns was dropped to fit the context
+    window."""
 
     def retrieve_all() -> list[list[int]]:
         seen: set[int] = set()
@@ -241,7 +274,8 @@ async def recover_chunk_ids(
                 hits = _retrieve(
                     session=session, pipeline=pipeline, question=question, query=None, tenant=tenant
                 ).hits
-                new = [hit.chunk_id for hit in hits if hit.chunk_id not in seen]
+                fresh = [to_source(hit) for hit in hits if hit.chunk_id not in seen]
+                new = [s.chunk_id for s in sorted(fresh, key=lambda s: s.canonical_key)]
                 chunk_ids.append(new)
                 seen.update(new)
         return chunk_ids

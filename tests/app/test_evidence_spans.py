@@ -153,5 +153,7 @@ def test_key_lines_put_the_best_span_before_the_question(documents):
     added = keyed["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
     assert added == len(line)
     assert keyed["citations"] == plain["citations"]
-    # a follow-up's prompt repeats earlier turns as they were asked: no key lines there
-    assert follow_up.json()["usage"]["prompt_tokens"] == unkeyed.json()["usage"]["prompt_tokens"]
+    # a follow-up over an earlier turn that added no sources: the lines of this turn's sources
+    assert follow_up.json()["usage"]["prompt_tokens"] == (
+        unkeyed.json()["usage"]["prompt_tokens"] + len(line)
+    )

@@ -351,6 +351,14 @@ def test_documents_are_ordered_to_follow_the_cached_prefix(
         "Q?", [b1, a2, a1], max_prompt_tokens=4000, cached_prefix_len=lambda ids: 0
     )
     assert [s.chunk_id for s in head_only.sources] == [1, 2, 3]
+    # a follow-up lays the turn out as it was, so it extends that prompt and keeps the numbers
+    # its answer cites
+    answer = " Beta [1]."
+    history = [Turn("Q?", answer, tuple(followed.sources))]
+    follow_up = builder.build("And?", [a1], max_prompt_tokens=4000, history=history)
+    turn = followed.token_ids + tokenizer.encode(answer)
+    assert follow_up.token_ids[: len(turn)] == turn
+    assert follow_up.reused == [(2, a1)]
 
 
 def test_key_lines_sit_just_before_the_question_and_tokenize_like_the_whole_text(
@@ -358,7 +366,8 @@ def test_key_lines_sit_just_before_the_question_and_tokenize_like_the_whole_text
 ):
     sources = make_sources(random.Random(11), 3)
     built = builder.build("Where is the lamp?", sources, max_prompt_tokens=100_000)
-    lines = [(2, "The lamp  keeper\nlives by the coast."), (1, "<|im_end|> ash")]
+    second, first = built.sources[1].chunk_id, built.sources[0].chunk_id
+    lines = [(second, "The lamp  keeper\nlives by the coast."), (first, "<|im_end|> ash")]
     keyed = builder.with_key_lines(built, "Where is the lamp?", lines, max_prompt_tokens=100_000)
     head = len(built.token_ids) - built.num_question_tokens
     assert keyed.token_ids[:head] == built.token_ids[:head]  # sources and stable part untouched
@@ -380,5 +389,27 @@ def test_key_lines_that_do_not_fit_or_none_leave_the_prompt_as_it_was(builder: P
     built = builder.build("Why?", sources, max_prompt_tokens=100_000)
     assert builder.with_key_lines(built, "Why?", [], max_prompt_tokens=100_000) is built
     tight = len(built.token_ids) + 3
-    long_line = [(1, "soil " * 50)]
+    long_line = [(built.sources[0].chunk_id, "soil " * 50)]
     assert builder.with_key_lines(built, "Why?", long_line, max_prompt_tokens=tight) is built
+    # a line of a chunk the prompt does not lay out has no number to cite
+    assert builder.with_key_lines(built, "Why?", [(-5, "x")], max_prompt_tokens=100_000) is built
+
+
+def test_a_follow_up_repeats_an_earlier_turn_s_key_lines(
+    builder: PromptBuilder, tokenizer: Tokenizer
+):
+    rng = random.Random(14)
+    history: list[Turn] = []
+    previous: list[int] = []
+    for i in range(3):
+        question = f"Question {i}?"
+        ranked = make_sources(rng, 3, first_id=100 * (i + 1))
+        built = builder.build(question, ranked, max_prompt_tokens=100_000, history=history)
+        lines = ((built.sources[-1].chunk_id, f"line {i} b"), (built.sources[0].chunk_id, "a"))
+        keyed = builder.with_key_lines(built, question, list(lines), max_prompt_tokens=100_000)
+        assert keyed.token_ids[: len(previous)] == previous  # extends the earlier turn
+        answer = f" Answer {i} [1]."
+        previous = keyed.token_ids + tokenizer.encode(answer)
+        history.append(Turn(question, answer, tuple(built.sources), lines))
+    text = builder.text("Last?", [], history)
+    assert text.count("Key line [") == 6 and "Key line [9]: line 2 b\nKey line [7]: a\n" in text

@@ -227,16 +227,32 @@ def turn(question: str, out: dict[str, Any]) -> dict[str, Any]:
 
 def test_follow_up_reuses_the_previous_prompt_and_answer_from_the_cache(qa):
     client, _ = qa
-    block_size = app_state(client).settings.block_size
+    state = app_state(client)
+    block_size = state.settings.block_size
     questions = [
         "Why did ships need the lighthouse beam?",
         "What did the keeper write in the logbook?",
         "How do tomatoes grow well?",
     ]
+    prompt_tokens: dict[int, list[int]] = {}
+    settings = state.settings
+    # without key lines, and with them: a follow-up finds an earlier turn's key lines again
+    for num_key_lines in (0, 2):
+        state.settings = settings.model_copy(update={"answer_key_lines": num_key_lines})
+        try:
+            prompt_tokens[num_key_lines] = _converse(client, questions, block_size)
+        finally:
+            state.settings = settings
+    assert all(k > p for k, p in zip(prompt_tokens[2], prompt_tokens[0], strict=True))
+
+
+def _converse(client: TestClient, questions: list[str], block_size: int) -> list[int]:
     history: list[dict[str, Any]] = []
     previous = None
+    prompt_tokens = []
     for question in questions:
         out = ask(client, question=question, top_k=3, max_tokens=6, history=history)
+        prompt_tokens.append(out["usage"]["prompt_tokens"])
         assert out["dropped_turns"] == 0
         cited_before = {i for t in history for i in t["chunk_ids"]}
         assert not cited_before & set(out["chunk_ids"])  # nothing laid out twice
@@ -254,6 +270,7 @@ def test_follow_up_reuses_the_previous_prompt_and_answer_from_the_cache(qa):
             assert out["usage"]["prompt_tokens"] > computed
         previous = out["usage"]
         history.append(turn(question, out))
+    return prompt_tokens
 
 
 def test_history_chunks_are_read_again_from_the_db(qa):
