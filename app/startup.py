@@ -17,6 +17,7 @@ from prefixrag.app.core.errors import NotReadyError
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.prompt.builder import PromptBuilder, load_prompt_config
 from prefixrag.app.services.llm import LLMService, engine_config_from_settings, model_id_for
+from prefixrag.app.services.sentence_store import save_sentences
 from prefixrag.app.state import AppState, ComponentLoader
 
 if TYPE_CHECKING:
@@ -69,13 +70,13 @@ def load_embedder(state: AppState) -> str | None:
     return None
 
 
-def _evidence_warmer(state: AppState) -> Callable[[list[str]], None] | None:
-    """Embeds a new document's sentences for its evidence spans, at ingest, where a question
-    does not wait on it."""
-    finder, embedder = state.evidence, state.embedder
-    if finder is None or embedder is None:
+def _evidence_warmer(state: AppState) -> Callable[[list[int], list[str]], None] | None:
+    """Embeds a new document's sentences for its evidence spans at ingest, where a question
+    does not wait on it, and stores them (a restart does not embed them again)."""
+    finder, embedder, sessions = state.evidence, state.embedder, state.sessions
+    if finder is None or embedder is None or sessions is None:
         return None
-    return lambda texts: finder.warm(texts, embedder)
+    return lambda ids, texts: save_sentences(sessions, finder, embedder, ids, texts)
 
 
 @dataclass(slots=True, frozen=True)

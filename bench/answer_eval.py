@@ -19,7 +19,7 @@ A configuration is request fields (CONFIGS), optionally with a prompt variant af
 when an app starts, so each prompt variant gets an app of its own, one after the other, on a
 copy of the same corpus; configurations that share a prompt are interleaved in their app.
 
-    python -m bench.answer_eval [--half held_out] [--configs today,shipped] [--limit N]
+    python -m bench.answer_eval [--half held_out] [--configs today@key0,shipped] [--limit N]
 
 `--model PATH` serves another GGUF than the packaged SmolLM2-135M (a second column, e.g. the
 Qwen2.5-Coder-0.5B of bench/setup_qwen.sh, with `--suffix _qwen`); the corpus is the same, as
@@ -56,9 +56,9 @@ RESULTS = Path(__file__).parent / "results"
 CACHE = Path(__file__).parent / ".cache"
 LOOP_WORDS = 6  # an answer that says the same 6 words twice repeats itself
 
-# Request fields per configuration. "today" is what /v1/query did before this round's answer
-# work (no repeat ban, the generic 256-token budget, top 5); "shipped" is what it does now, with
-# no field set, so it follows the settings' defaults.
+# Request fields per configuration. "today" (with @key0) is what /v1/query did before this
+# round's answer work (no repeat ban, the generic 256-token budget, top 5, no key lines);
+# "shipped" is what it does now, with no field set, so it follows the settings' defaults.
 CONFIGS: dict[str, dict[str, Any]] = {
     "today": {"no_repeat_ngram_size": 0, "max_tokens": 256, "top_k": 5},
     "shipped": {},
@@ -88,7 +88,9 @@ PROMPTS: dict[str, dict[str, Any]] = {
         "system_prompt_file": PROMPTS_DIR / "quote_system.txt",
         "few_shot_file": PROMPTS_DIR / "quote_examples.json",
     },
-    # the best evidence sentences repeated just before the question (Settings.answer_key_lines)
+    # the best evidence sentences repeated just before the question (Settings.answer_key_lines;
+    # key0: none, as before they were on by default)
+    "key0": {"answer_key_lines": 0},
     "key1": {"answer_key_lines": 1},
     "key2": {"answer_key_lines": 2},
 }
@@ -323,7 +325,7 @@ def main() -> None:
     parser.add_argument("--half", choices=HALVES, default="held_out")
     parser.add_argument(
         "--configs",
-        default="today,shipped",
+        default="today@key0,shipped",
         help=f"request fields ({', '.join(CONFIGS)}), each optionally @prompt "
         f"({', '.join(p for p in PROMPTS if p)})",
     )

@@ -63,6 +63,17 @@ class EvidenceSpan:
     score: float
 
 
+@dataclass(slots=True, frozen=True)
+class StoredSentences:
+    """A chunk's sentences as a store keeps them, so a restarted service need not embed them
+    again: `key` names the embedder, the splitting and the text (EvidenceFinder.key), `spans`
+    are int32 [n, 2] character offsets and `vectors` float16 [n, dim] unit rows."""
+
+    key: bytes
+    spans: np.ndarray
+    vectors: np.ndarray
+
+
 @dataclass(slots=True)
 class _ChunkSentences:
     spans: list[tuple[int, int]]
@@ -169,6 +180,51 @@ class EvidenceFinder:
         them: the newest win), so the first question citing them pays no embedding."""
         self._sentences(texts[-self.cache_chunks :] if self.cache_chunks else [], embedder)
 
+    def key(self, text: str, embedder: Embedder) -> bytes:
+        """What a chunk's sentences are cached under: its text, the embedder and the
+        splitting (finders that split differently may share one store)."""
+        split = (self.code_aware_split, self.skip_headings)
+        model = embedder.model_name_or_path.encode() + b"\0%d%d\0" % split
+        return hashlib.blake2b(model + text.encode(), digest_size=16).digest()
+
+    def missing(self, texts: Sequence[str], embedder: Embedder) -> list[int]:
+        """The positions of `texts` whose sentences are not cached."""
+        keys = [self.key(t, embedder) for t in texts]
+        with self._lock:
+            return [n for n, key in enumerate(keys) if key not in self._cache]
+
+    def stored(
+        self, texts: Sequence[str], embedder: Embedder, *, batch: int = 256
+    ) -> list[StoredSentences]:
+        """`texts`' sentences in the form a store keeps, embedded where not cached (`batch`
+        chunks per embedder call, so a long document never embeds in one go); the last
+        `cache_chunks` stay cached."""
+        out: list[StoredSentences] = []
+        for lo in range(0, len(texts), batch):
+            part = texts[lo : lo + batch]
+            for text, chunk in zip(part, self._sentences(part, embedder), strict=True):
+                spans = np.asarray(chunk.spans, dtype=np.int32).reshape(len(chunk.spans), 2)
+                out.append(StoredSentences(self.key(text, embedder), spans, chunk.vectors))
+        return out
+
+    def restore(
+        self, texts: Sequence[str], stored: Sequence[StoredSentences | None], embedder: Embedder
+    ) -> int:
+        """Caches the stored sentences of `texts` (None: nothing stored) whose key still
+        matches (same text, embedder and splitting) and whose vectors have the embedder's
+        width; returns how many it took."""
+        dim = embedder.dim
+        new: dict[bytes, _ChunkSentences] = {}
+        for text, saved in zip(texts, stored, strict=True):
+            if saved is None or saved.key != self.key(text, embedder):
+                continue
+            if saved.vectors.ndim != 2 or saved.vectors.shape != (len(saved.spans), dim):
+                continue
+            spans = [(int(lo), int(hi)) for lo, hi in saved.spans.tolist()]
+            new[saved.key] = self._chunk(text, spans, saved.vectors)
+        self._remember(new)
+        return len(new)
+
     def _first_stage(
         self,
         chunk: _ChunkSentences,
@@ -249,10 +305,7 @@ class EvidenceFinder:
         return [sorted(ranked, key=lambda item: -item[1]) for ranked in reranked]
 
     def _sentences(self, texts: Sequence[str], embedder: Embedder) -> list[_ChunkSentences]:
-        # the splitting is in the key: finders that split differently may share one cache
-        split = (self.code_aware_split, self.skip_headings)
-        model = embedder.model_name_or_path.encode() + b"\0%d%d\0" % split
-        keys = [hashlib.blake2b(model + t.encode(), digest_size=16).digest() for t in texts]
+        keys = [self.key(t, embedder) for t in texts]
         found: dict[int, _ChunkSentences] = {}
         with self._lock:
             for n, key in enumerate(keys):

@@ -1,4 +1,5 @@
-"""SQLAlchemy 2 ORM models: API keys, collections, documents and their chunks.
+"""SQLAlchemy 2 ORM models: API keys, collections, documents, their chunks and the chunks'
+sentences.
 
 A chunk's primary key is also its FAISS vector id, so it must be a 64-bit integer everywhere.
 """
@@ -14,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -121,3 +123,19 @@ class Chunk(Base):
 
     # Loaded on purpose (joinedload) where a chunk's title is needed, never lazily.
     document: Mapped[Document] = relationship(lazy="raise", viewonly=True)
+
+
+class ChunkSentences(Base):
+    """A chunk's sentences for evidence spans, embedded at ingest (retrieval.evidence's
+    StoredSentences): derived data, kept so a restarted service answers its first questions
+    without embedding every cited chunk's sentences again. `key` says which text, embedder and
+    splitting they were made with; a row that no longer matches is ignored."""
+
+    __tablename__ = "chunk_sentences"
+
+    chunk_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("chunks.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[bytes] = mapped_column(LargeBinary(16))
+    spans: Mapped[bytes] = mapped_column(LargeBinary)  # int32 little-endian [n, 2]
+    vectors: Mapped[bytes] = mapped_column(LargeBinary)  # float16 little-endian [n, dim]

@@ -99,7 +99,8 @@ class IngestService:
     The chunk indexes are the vector index and the chunks' BM25 terms in the database. The terms
     are written in every retrieval mode (so switching to hybrid needs no rebuild), in the
     transaction of the chunk rows, with `analyzer` (the one the lexical search queries with).
-    `on_ready` is called with a document's chunk texts once it is ready (to warm caches; a
+    `on_ready` is called with a document's chunk ids and texts once it is ready (to warm and
+    store derived data such as evidence sentences; a
     failure there is logged and leaves the document ready). `scopes`, the searches' cached
     bitmaps of allowed chunk ids, learns of every chunk made ready or deleted.
     """
@@ -116,7 +117,7 @@ class IngestService:
         num_workers: int = 1,
         queue_size: int = 64,
         analyzer: Analyzer | None = None,
-        on_ready: Callable[[list[str]], None] | None = None,
+        on_ready: Callable[[list[int], list[str]], None] | None = None,
         lexical_side: TantivyLexicalIndex | None = None,
     ) -> None:
         if num_workers < 1 or queue_size < 1:
@@ -280,7 +281,7 @@ class IngestService:
         self._scopes.note_ready(tenant=scope[0], collection=scope[1], chunk_ids=ids)
         if self._on_ready is not None:
             try:
-                self._on_ready([c.text for c in chunks])
+                self._on_ready(ids.tolist(), [c.text for c in chunks])
             except Exception:  # a cache that could not warm costs a later question, not this
                 logger.exception("warming caches for document %d failed", document_id)
 

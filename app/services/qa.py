@@ -30,6 +30,7 @@ from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
+from prefixrag.app.services.sentence_store import restore_sentences
 from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
@@ -161,9 +162,12 @@ def _turn_evidence(
     finder, retriever = pipeline.evidence, pipeline.retriever
     if finder is None or not sources:
         return {}
+    texts = [s.text for s in sources]
+    chunk_ids = [s.chunk_id for s in sources]
+    restore_sentences(pipeline.sessions, finder, retriever.embedder, chunk_ids, texts)
     found = finder.find(
         question,
-        [s.text for s in sources],
+        texts,
         embedder=retriever.embedder,
         reranker=retriever.reranker if retriever.is_reranking else None,
         question_vector=question_vector,

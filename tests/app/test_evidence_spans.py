@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
-from prefixrag.app.core.models import Chunk
+from prefixrag.app.core.models import Chunk, ChunkSentences
 from prefixrag.app.main import create_app
 from prefixrag.app.state import AppState
+from prefixrag.retrieval.evidence import EvidenceFinder
 from prefixrag.retrieval.parsing import parse_document
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state
 from tests.app.helpers import make_pdf, upload
@@ -78,6 +79,57 @@ def test_ingest_warms_the_sentence_cache_with_every_chunk(documents):
     with state.sessions() as session:
         num_chunks = session.scalar(select(func.count()).select_from(Chunk))
     assert num_chunks and state.evidence.num_cached == num_chunks
+
+
+def test_sentences_are_stored_at_ingest_and_a_restart_reads_them_back(documents, monkeypatch):
+    client, ids = documents
+    state = app_state(client)
+    assert state.evidence is not None and state.sessions is not None
+    with state.sessions() as session:
+        chunk_ids = set(session.scalars(select(Chunk.id)))
+        rows = {row.chunk_id: row for row in session.scalars(select(ChunkSentences))}
+    assert set(rows) == chunk_ids
+    body = {"question": CASES[0][3], "document_ids": [ids["garden.md"]]}
+    before = ask(client, **body).json()["citations"]
+    # a restart: the finder's cache is empty, the rows are not; no sentence is embedded again
+    embedder = state.retriever.embedder
+    encoded: list[str] = []
+    encode = embedder.encode
+    monkeypatch.setattr(embedder, "encode", lambda texts: encoded.extend(texts) or encode(texts))
+    finder, state.evidence = state.evidence, EvidenceFinder(max_spans=state.evidence.max_spans)
+    try:
+        after = ask(client, **body).json()["citations"]
+        assert after == before and set(encoded) == {body["question"]}  # encode_query's call
+        # a chunk without a row (a document stored before the rows existed) gets one
+        cited = [c["chunk_id"] for c in after]
+        with state.sessions() as session:
+            session.execute(delete(ChunkSentences).where(ChunkSentences.chunk_id.in_(cited)))
+            session.commit()
+        state.evidence = EvidenceFinder(max_spans=finder.max_spans)
+        assert ask(client, **body).json()["citations"] == before
+        assert set(encoded) - {body["question"]}
+        with state.sessions() as session:
+            again = {row.chunk_id: row for row in session.scalars(select(ChunkSentences))}
+        assert set(again) == chunk_ids
+        assert all(again[i].vectors == rows[i].vectors for i in cited)
+    finally:
+        state.evidence = finder
+
+
+def test_a_deleted_document_takes_its_stored_sentences_along(documents):
+    client, _ = documents
+    state = app_state(client)
+    response = upload(client, "gone.md", b"# Gone\n\nA page to delete. It has two lines.\n")
+    assert response.status_code == 201
+    document_id = response.json()["id"]
+    in_document = select(Chunk.id).where(Chunk.document_id == document_id)
+    with state.sessions() as session:
+        chunk_ids = list(session.scalars(in_document))
+        stored = select(ChunkSentences).where(ChunkSentences.chunk_id.in_(chunk_ids))
+        assert chunk_ids and len(session.scalars(stored).all()) == len(chunk_ids)
+    assert client.delete(f"/v1/documents/{document_id}").status_code == 204
+    with state.sessions() as session:
+        assert session.scalars(stored).all() == []
 
 
 def ask(client: TestClient, **body: Any) -> Any:

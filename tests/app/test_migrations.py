@@ -17,7 +17,7 @@ from prefixrag.app.core.db import (
 from prefixrag.app.core.lexical import is_lexical_table
 from prefixrag.app.core.models import DEFAULT_TENANT, Base, Chunk, Collection, Document, utcnow
 
-TABLES = {"api_keys", "collections", "documents", "chunks"}
+TABLES = {"api_keys", "collections", "documents", "chunks", "chunk_sentences"}
 
 
 def test_upgrade_creates_the_schema_of_the_models(database_url: str) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.evidence import NEVER_RESTATES, EvidenceFinder
+from prefixrag.retrieval.evidence import NEVER_RESTATES, EvidenceFinder, StoredSentences
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.sentences import sentence_spans
 from tests.retrieval.tiny_cross_encoder import KEYWORD
@@ -37,6 +37,7 @@ class CountingEmbedder:
     def __init__(self, embedder: Embedder) -> None:
         self._embedder = embedder
         self.model_name_or_path = embedder.model_name_or_path
+        self.dim = embedder.dim
         self.encoded: list[str] = []
 
     def encode(self, texts):
@@ -164,6 +165,35 @@ def test_a_warmed_chunk_costs_no_embedding_at_question_time(embedder: Embedder):
     )
     finder.find("What keeps roots healthy?", [GARDEN, LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
     assert len(counting.encoded) == warmed
+
+
+def test_stored_sentences_restore_a_new_finder_without_embedding(embedder: Embedder):
+    counting = CountingEmbedder(embedder)
+    first = EvidenceFinder()
+    stored = first.stored([LIGHTHOUSE, GARDEN], counting)  # type: ignore[arg-type]
+    for text, saved in zip([LIGHTHOUSE, GARDEN], stored, strict=True):
+        assert saved.spans.tolist() == [list(span) for span in sentence_spans(text)]
+        assert saved.vectors.shape == (len(saved.spans), embedder.dim)
+    question = "What keeps roots healthy?"
+    expected = first.find(question, [GARDEN, LIGHTHOUSE], embedder=counting)  # type: ignore[arg-type]
+    embedded = len(counting.encoded)
+    # a restarted service: an empty cache, and the stored rows
+    fresh = EvidenceFinder()
+    assert fresh.missing([LIGHTHOUSE, GARDEN], counting) == [0, 1]  # type: ignore[arg-type]
+    assert fresh.restore([LIGHTHOUSE, GARDEN], stored, counting) == 2  # type: ignore[arg-type]
+    assert fresh.missing([LIGHTHOUSE, GARDEN], counting) == []  # type: ignore[arg-type]
+    assert fresh.find(question, [GARDEN, LIGHTHOUSE], embedder=counting) == expected  # type: ignore[arg-type]
+    assert len(counting.encoded) == embedded
+    # rows that no longer fit are not taken: another text, splitting or embedder width
+    narrow = StoredSentences(stored[0].key, stored[0].spans, stored[0].vectors[:, :8])
+    for finder, text, saved in [
+        (EvidenceFinder(), GARDEN, stored[0]),
+        (EvidenceFinder(code_aware_split=False), LIGHTHOUSE, stored[0]),
+        (EvidenceFinder(), LIGHTHOUSE, narrow),
+        (EvidenceFinder(), LIGHTHOUSE, None),
+    ]:
+        assert finder.restore([text], [saved], counting) == 0  # type: ignore[arg-type]
+        assert finder.missing([text], counting) == [0]  # type: ignore[arg-type]
 
 
 def test_texts_without_sentences_get_no_spans(embedder: Embedder):
