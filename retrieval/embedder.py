@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,14 +14,22 @@ class Embedder:
     """A sentence-transformers bi-encoder that returns L2-normalized float32 vectors.
 
     `count_tokens` uses the model's own tokenizer, so chunk sizes match what the model sees;
-    `max_seq_length` is how many tokens the model reads before truncating.
+    `max_seq_length` is how many tokens the model reads before truncating. The last
+    `cache_queries` query vectors are kept: a conversation's follow-up embeds its earlier
+    questions again (to recover their chunks and key lines), at about 30 ms each on CPU.
     """
 
     def __init__(
-        self, model_name_or_path: str, device: str | None = None, batch_size: int = 64
+        self,
+        model_name_or_path: str,
+        device: str | None = None,
+        batch_size: int = 64,
+        cache_queries: int = 1024,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size < 1 or cache_queries < 0:
+            raise ValueError(
+                f"need batch_size >= 1, cache_queries >= 0: {batch_size}, {cache_queries}"
+            )
         from sentence_transformers import SentenceTransformer
 
         self.model_name_or_path = model_name_or_path
@@ -31,6 +41,9 @@ class Embedder:
         self.dim: int = int(dim)
         self.max_seq_length: int = int(self.model.max_seq_length or 512)
         self._counter = _untruncated_copy(self.model.tokenizer)
+        self.cache_queries = cache_queries
+        self._queries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
 
     def count_tokens(self, text: str) -> int:
         """How many tokens the model's tokenizer makes of `text`, special tokens excluded."""
@@ -55,10 +68,23 @@ class Embedder:
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def encode_query(self, text: str) -> np.ndarray:
-        """The embedding of one query: float32 [dim], unit L2 norm."""
+        """The embedding of one query: float32 [dim], unit L2 norm (read-only: it may be a
+        cached vector that later calls return too)."""
         if not text.strip():
             raise ValueError("the query is empty")
-        return self.encode([text])[0]
+        with self._lock:
+            vector = self._queries.get(text)
+            if vector is not None:
+                self._queries.move_to_end(text)
+                return vector
+        vector = self.encode([text])[0]
+        vector.flags.writeable = False
+        if self.cache_queries:
+            with self._lock:
+                self._queries[text] = vector
+                while len(self._queries) > self.cache_queries:
+                    self._queries.popitem(last=False)
+        return vector
 
 
 def _untruncated_copy(tokenizer: object) -> Any:

@@ -99,7 +99,7 @@ def test_sentences_are_stored_at_ingest_and_a_restart_reads_them_back(documents,
     finder, state.evidence = state.evidence, EvidenceFinder(max_spans=state.evidence.max_spans)
     try:
         after = ask(client, **body).json()["citations"]
-        assert after == before and set(encoded) == {body["question"]}  # encode_query's call
+        assert after == before and set(encoded) <= {body["question"]}  # encode_query's
         # a chunk without a row (a document stored before the rows existed) gets one
         cited = [c["chunk_id"] for c in after]
         with state.sessions() as session:

@@ -44,3 +44,23 @@ def test_bad_input(embedder: Embedder) -> None:
         embedder.encode("a bare string")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         embedder.encode_query("   ")
+
+
+def test_query_vectors_are_cached_read_only_and_evicted_oldest_first(
+    embedder_path: str,
+) -> None:
+    small = Embedder(embedder_path, cache_queries=2)
+    calls: list[list[str]] = []
+    encode = small.encode
+    small.encode = lambda texts, show_progress=False: calls.append(list(texts)) or encode(texts)  # type: ignore[method-assign]
+    first = small.encode_query("where is the lamp?")
+    assert small.encode_query("where is the lamp?") is first and len(calls) == 1
+    np.testing.assert_array_equal(first, encode(["where is the lamp?"])[0])
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 0.0  # a caller cannot spoil what later calls get
+    small.encode_query("b?")
+    small.encode_query("c?")  # two kept: the lamp is dropped
+    small.encode_query("where is the lamp?")
+    assert [c[0] for c in calls] == ["where is the lamp?", "b?", "c?", "where is the lamp?"]
+    off = Embedder(embedder_path, cache_queries=0)
+    assert off.encode_query("x?") is not off.encode_query("x?")
