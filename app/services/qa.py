@@ -93,8 +93,11 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     )
     history, found = await run_in_threadpool(_read, pipeline, query, tenant)
     num_key_lines = settings.answer_key_lines if pipeline.evidence is not None else 0
+    key_lines_s = 0.0
     if num_key_lines and history:
+        t0 = time.perf_counter()
         history = await run_in_threadpool(_with_key_lines, pipeline, history, num_key_lines)
+        key_lines_s = time.perf_counter() - t0
     hits, timings = found.hits, dict(found.timings)
     if pipeline.on_retrieval is not None:
         pipeline.on_retrieval(timings)
@@ -116,7 +119,7 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
     if num_key_lines and prompt.sources:
         # Over this turn's new sources only, found as a follow-up finds them again (see
         # _with_key_lines): `evidence` is that very call when no earlier source is reused.
-        mine = evidence
+        mine, t0 = evidence, time.perf_counter()
         if prompt.reused:
             mine = await run_in_threadpool(
                 _turn_evidence, pipeline, query.question, prompt.sources, found.query_vector
@@ -125,6 +128,9 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         prompt = pipeline.prompts.with_key_lines(
             prompt, query.question, lines, max_prompt_tokens=room
         )
+        key_lines_s += time.perf_counter() - t0
+    # choosing this turn's key lines, and finding earlier turns' again
+    timings["key_lines_ms"] = key_lines_s * 1000.0
     return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
 
 
@@ -353,13 +359,14 @@ def usage(result: GenerationResult) -> UsageOut:
 
 
 def timings(prepared: PreparedAnswer, result: GenerationResult) -> dict[str, float]:
-    """Retrieval stages, evidence spans, TTFT and TPOT of the engine, and the whole request,
-    in ms."""
+    """Retrieval stages, evidence spans, key lines, TTFT and TPOT of the engine, and the whole
+    request, in ms."""
     return {
         "embed_ms": prepared.retrieval_ms.get("embed_ms", 0.0),
         "search_ms": prepared.retrieval_ms.get("search_ms", 0.0),
         "rerank_ms": prepared.retrieval_ms.get("rerank_ms", 0.0),
         "evidence_ms": prepared.retrieval_ms.get("evidence_ms", 0.0),
+        "key_lines_ms": prepared.retrieval_ms.get("key_lines_ms", 0.0),
         "ttft_ms": result.ttft_s * 1000.0,
         "tpot_ms": result.tpot_s * 1000.0,
         "total_ms": (time.perf_counter() - prepared.started) * 1000.0,

@@ -68,7 +68,8 @@ def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):
     assert out["chunk_ids"] == [c["chunk_id"] for c in cited]
     assert out["usage"]["completion_tokens"] <= 8
     assert set(out["timings"]) == {
-        "embed_ms", "search_ms", "rerank_ms", "evidence_ms", "ttft_ms", "tpot_ms", "total_ms"
+        "embed_ms", "search_ms", "rerank_ms", "evidence_ms", "key_lines_ms", "ttft_ms", "tpot_ms",
+        "total_ms",
     }  # fmt: skip
 
 
@@ -240,19 +241,22 @@ def test_follow_up_reuses_the_previous_prompt_and_answer_from_the_cache(qa):
     for num_key_lines in (0, 2):
         state.settings = settings.model_copy(update={"answer_key_lines": num_key_lines})
         try:
-            prompt_tokens[num_key_lines] = _converse(client, questions, block_size)
+            prompt_tokens[num_key_lines] = _converse(client, questions, block_size, num_key_lines)
         finally:
             state.settings = settings
     assert all(k > p for k, p in zip(prompt_tokens[2], prompt_tokens[0], strict=True))
 
 
-def _converse(client: TestClient, questions: list[str], block_size: int) -> list[int]:
+def _converse(
+    client: TestClient, questions: list[str], block_size: int, num_key_lines: int
+) -> list[int]:
     history: list[dict[str, Any]] = []
     previous = None
     prompt_tokens = []
     for question in questions:
         out = ask(client, question=question, top_k=3, max_tokens=6, history=history)
         prompt_tokens.append(out["usage"]["prompt_tokens"])
+        assert (out["timings"]["key_lines_ms"] > 0) == bool(num_key_lines)
         assert out["dropped_turns"] == 0
         cited_before = {i for t in history for i in t["chunk_ids"]}
         assert not cited_before & set(out["chunk_ids"])  # nothing laid out twice
