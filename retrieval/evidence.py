@@ -11,7 +11,8 @@ two stages, as retrieval itself is:
    chunk, so they are cached per chunk text (in float16: half the memory, and rounding far
    below the gaps that rank sentences), and a chunk seen before costs one matrix product.
    Embedding a new chunk's sentences is the expensive part (about 0.1 s per chunk on two CPU
-   cores), so ingest warms the cache with each new document's chunks (`warm`);
+   cores), so ingest embeds each new document's chunks once, caches them and hands them to
+   the service to keep (`stored`; a restarted service `restore`s them; `warm` caches only);
 2. when a cross-encoder is loaded, the `shortlist` best sentences of each chunk by stage 1 are
    scored again by it, in one batch, and its order wins.
 """

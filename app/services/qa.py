@@ -152,11 +152,11 @@ def _with_key_lines(pipeline: QAPipeline, history: list[Turn], limit: int) -> li
     """The earlier turns with the key lines their own prompts had, found again the same way (the
     same question over the same chunks in the same order), so a follow-up's prompt still extends
     them token for token and the prefix cache serves them."""
-    return [
-        replace(turn, key_lines=tuple(key_lines(turn.sources, evidence, limit)))
-        for turn in history
-        for evidence in [_turn_evidence(pipeline, turn.question, turn.sources, None)]
-    ]
+    keyed = []
+    for turn in history:
+        evidence = _turn_evidence(pipeline, turn.question, turn.sources, None)
+        keyed.append(replace(turn, key_lines=tuple(key_lines(turn.sources, evidence, limit))))
+    return keyed
 
 
 def _turn_evidence(
