@@ -181,8 +181,8 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
     int failed = !parts;
 #pragma omp parallel if (!failed)
     {
-        /* per thread: the chunk's transposed keys and widened values */
-        float *scratch = failed ? NULL : malloc((size_t)(2 * d * EXT_KEYS) * sizeof(float));
+        /* per thread: the chunk's transposed keys, widened values and widened keys */
+        float *scratch = failed ? NULL : malloc((size_t)(3 * d * EXT_KEYS) * sizeof(float));
         const float *q_rows[EXT_ROWS];
         if (!scratch) {
 #pragma omp atomic write
@@ -207,7 +207,7 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
             extend_task(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
                         (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
                         block_tables + e * max_blocks, scale, scratch,
-                        scratch + d * EXT_KEYS,
+                        scratch + d * EXT_KEYS, scratch + 2 * d * EXT_KEYS,
                         parts + tl->part + (g * rows * tl->splits + s) * group * pw, stride);
         }
         free(scratch);

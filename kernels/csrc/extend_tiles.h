@@ -25,10 +25,19 @@
 #include "kv_rows.h"
 #include "paged_attention.h"
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 #define EXT_KEYS 32 /* positions per chunk: two AVX-512 vectors of scores */
 #define EXT_ROWS 32 /* query rows per tile (each with the group's heads) */
 #define EXT_QUAD 4  /* query vectors scored together */
 #define EXT_SPLIT 512 /* positions per task: a split's partials are merged as in decode */
+/* A query vector's running max moves only when a chunk's max passes it by more than this
+ * (natural-log units): the terms then stay at most e^8 (about 3,000), far from float32's
+ * range, and most chunks skip the rescale of the accumulator and its expf, a fifth of the
+ * softmax's cost, as FlashAttention-4 does. merge_splits takes any reference max. */
+#define EXT_SLACK 8.0f
 
 /* s[v][i] = q_v . kt[:, i] for v < 4, i < EXT_KEYS; kt is [d][EXT_KEYS] */
 static inline void score_quad(const float *const *q, const float *kt, int64_t d,
@@ -157,6 +166,31 @@ static inline void add_weighted_rows2(float *acc_a, const float *wa, float *acc_
     add_weighted_rows(acc_b, wb, rows, 0, n, d);
 }
 
+/* kt[j][i] = rows[i][j] for i < EXT_KEYS, j < d: the chunk's keys laid out dim-major for
+ * score_quad. In 4x4 blocks of 128-bit loads, shuffles and stores where d allows: a scalar
+ * scatter costs a load and a store per element, about a tenth of the whole kernel's time at a
+ * 32-row extend, and 128-bit shuffles are the cheap ones on every x86 core (a 256-bit lane
+ * crossing is eight uops on Zen 1). */
+static inline void transpose_keys(const float *const *rows, int64_t d, float *kt) {
+#if defined(__SSE__)
+    if (d % 4 == 0) {
+        for (int64_t i = 0; i < EXT_KEYS; i += 4)
+            for (int64_t j = 0; j < d; j += 4) {
+                __m128 r0 = _mm_loadu_ps(rows[i] + j), r1 = _mm_loadu_ps(rows[i + 1] + j);
+                __m128 r2 = _mm_loadu_ps(rows[i + 2] + j), r3 = _mm_loadu_ps(rows[i + 3] + j);
+                _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+                _mm_storeu_ps(kt + j * EXT_KEYS + i, r0);
+                _mm_storeu_ps(kt + (j + 1) * EXT_KEYS + i, r1);
+                _mm_storeu_ps(kt + (j + 2) * EXT_KEYS + i, r2);
+                _mm_storeu_ps(kt + (j + 3) * EXT_KEYS + i, r3);
+            }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < EXT_KEYS; i++)
+        for (int64_t j = 0; j < d; j++) kt[j * EXT_KEYS + i] = rows[i][j];
+}
+
 /* sc[i] *= scale for i < n (n <= EXT_KEYS); returns the larger of mx and their max. A scalar
  * max is a chain of dependent compares, as long per chunk as scoring it. */
 static inline float scale_max(float *sc, int64_t n, float scale, float mx) {
@@ -201,14 +235,14 @@ static inline float scale_max(float *sc, int64_t n, float scale, float mx) {
  * q_rows[r - r0] points at row r's query heads (hq x d, contiguous). Head h of the group for
  * row r leaves its partial at part + (r - r0) * part_row_stride + h * (d + 2): the
  * unnormalized sum of values [d], then the running max m and sum l (m = -inf, l = 0 if it sees
- * none of the range); merge_splits (paged_attention.h) finishes it. kt and vt are scratch of
- * d * EXT_KEYS floats each. */
+ * none of the range); merge_splits (paged_attention.h) finishes it. kt, vt and kr are
+ * scratch of d * EXT_KEYS floats each. */
 static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r1,
                                int64_t prefix, int64_t g, int64_t group, int64_t begin,
                                int64_t end, const void *k_cache, const void *v_cache,
                                int32_t kind, int64_t hkv, int64_t d, int64_t bs,
                                const int32_t *table, float scale, float *kt, float *vt,
-                               float *part, int64_t part_row_stride) {
+                               float *kr, float *part, int64_t part_row_stride) {
     const int64_t row = hkv * d, nq = (r1 - r0) * group, pw = partial_width(d);
     const float *qv[EXT_ROWS * MAX_GROUP];
     float *acc[EXT_ROWS * MAX_GROUP];
@@ -222,25 +256,27 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
         a[d] = -INFINITY;
         a[d + 1] = 0.0f;
     }
-    _Alignas(64) float widened[MAX_HEAD_DIM];
+    static const float zeros[MAX_HEAD_DIM]; /* a missing tail key's row */
     _Alignas(64) float s[EXT_QUAD][EXT_KEYS];
     if (end > prefix + r1) end = prefix + r1; /* the tile's last row sees [0, prefix + r1) */
     for (int64_t p0 = begin; p0 < end; p0 += EXT_KEYS) {
         const int64_t n = end - p0 < EXT_KEYS ? end - p0 : EXT_KEYS;
         /* the chunk's keys transposed into kt [d][EXT_KEYS] (missing tail keys zero), its
-         * values widened (or copied) into vt [EXT_KEYS][d] */
+         * values widened (or copied) into vt [EXT_KEYS][d]; a 16-bit key row is widened into
+         * kr first, a float32 one is read where it lies */
+        const float *krow[EXT_KEYS];
         for (int64_t i = 0; i < EXT_KEYS; i++) {
             if (i >= n) {
-                for (int64_t j = 0; j < d; j++) kt[j * EXT_KEYS + i] = 0.0f;
+                krow[i] = zeros;
                 continue;
             }
             const int64_t p = p0 + i;
             const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            const float *k = kv_load(k_cache, kind, at, d, widened);
-            for (int64_t j = 0; j < d; j++) kt[j * EXT_KEYS + i] = k[j];
+            krow[i] = kv_load(k_cache, kind, at, d, kr + i * d);
             const float *v = kv_load(v_cache, kind, at, d, vt + i * d);
             if (v != vt + i * d) memcpy(vt + i * d, v, (size_t)d * sizeof(float));
         }
+        transpose_keys(krow, d, kt);
         for (int64_t v0 = 0; v0 < nq; v0 += EXT_QUAD) {
             if (last[v0 + EXT_QUAD <= nq ? v0 + EXT_QUAD - 1 : nq - 1] < p0)
                 continue; /* positions ascend with v: none of these sees this chunk */
@@ -255,11 +291,13 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
                 vis[u] = seen < n ? seen : n;
                 float *sc = s[u], *a = acc[v];
                 const float mx = scale_max(sc, vis[u], scale, a[d]);
-                const float correction = expf(a[d] - mx); /* 0 on the first chunk */
-                a[d + 1] = a[d + 1] * correction + exp_shifted(sc, vis[u], mx);
-                if (correction != 1.0f)
+                if (mx > a[d] + EXT_SLACK) { /* always on the first chunk (a[d] = -inf) */
+                    const float correction = expf(a[d] - mx); /* 0 on the first chunk */
+                    a[d + 1] *= correction;
                     for (int64_t j = 0; j < d; j++) a[j] *= correction;
-                a[d] = mx;
+                    a[d] = mx;
+                }
+                a[d + 1] += exp_shifted(sc, vis[u], a[d]);
             }
             /* values, two query vectors at a time where they see the same positions */
             for (int u = 0; u < EXT_QUAD && v0 + u < nq; u += 2) {

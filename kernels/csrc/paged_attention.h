@@ -59,7 +59,8 @@ static inline int64_t split_row(const int64_t *off, int64_t rows, int64_t u) {
  * |r| <= ln2 / 2, e^r from a degree-7 polynomial, 2^n put into the exponent. libm's expf is a
  * call per score, and at a long context the scores' exponentials would cost as much as reading
  * their keys; this runs 16 (AVX-512) or 8 (AVX2) at a time. x is clamped at -87, where e^x is
- * about the smallest normal float: a position that far below the max adds nothing visible. */
+ * about the smallest normal float: a position that far below the max adds nothing visible.
+ * A small positive x (extend_tiles.h's lazy max) is as exact: only the exponent grows. */
 #define EXP_LO -87.0f
 #define LOG2E 1.44269504088896341f
 #define LN2_HI 0.693145751953125f /* ln 2 = LN2_HI + LN2_LO, LN2_HI exact in few bits */
@@ -122,7 +123,8 @@ static inline __m256 exp_nonpos8(__m256 x) {
 }
 #endif
 
-/* s[i] = e^(s[i] - mx) for i < n (every s[i] <= mx); returns their sum, added in a fixed order */
+/* s[i] = e^(s[i] - mx) for i < n (s[i] <= mx, or at most EXT_SLACK above it in
+ * extend_tiles.h); returns their sum, added in a fixed order */
 static inline float exp_shifted(float *s, int64_t n, float mx) {
     int64_t i = 0;
     float sum = 0.0f;

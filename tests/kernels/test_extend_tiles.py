@@ -143,3 +143,29 @@ def test_rejects_rows_outside_q_an_empty_extend_and_a_bad_table_touching_nothing
             torch.tensor([8], dtype=torch.int32),
             0.2,
         )
+
+
+def test_scores_that_climb_far_past_the_running_max_match_naive(path):
+    # the kernel moves a query's running max only when a chunk passes it by more than 8: keys
+    # that grow with their position make every row's max climb by about 40 over the prefix,
+    # past the slack many times, with terms above the old max in between; a late dip below
+    # the first chunks' scores and a last key far above all others come too
+    prefix, n, bs = 700, 20, 16
+    batch = make_paged_batch([prefix + n], 3, 64, bs)
+    gen = torch.Generator().manual_seed(8)
+    u = torch.randn(64, generator=gen)  # the direction every query leans along
+    q = torch.randn(n, 9, 64, generator=gen) + 0.8 * u
+    ramp = torch.linspace(0.0, 6.0, prefix + n)  # scores along u: 0 .. about 40
+    ramp[400:450] = -3.0
+    ramp[prefix + n - 1] = 12.0
+    keys = batch.keys[0] + ramp[:, None, None] * u
+    table = batch.block_tables[0]
+    for p in range(prefix + n):
+        batch.k_cache[table[p // bs], p % bs] = keys[p]
+    batch.keys[0] = keys
+    scores = torch.einsum("hd,pd->hp", q[0, :3], keys[:, 0]) * 0.125
+    assert scores[:, -2].min() - scores[:, :32].max() > 24  # the max climbs past the slack
+    out = run_extends(batch, q, [prefix], [n], 0.125)
+    expected = expected_rows(batch, q, [prefix], [n], 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
