@@ -149,6 +149,21 @@ def test_matmul_is_the_fixed_order_dot_over_the_dequantized_rows(flags, gguf_typ
     assert torch.equal(block_quant_matmul(x, w, flags), expected)
 
 
+@BUILDS
+@pytest.mark.parametrize("k", [576, 1504])
+def test_float32_rows_get_the_same_bits_in_any_batch(flags, k):
+    # fixed_order_matmul runs 4 to 8 rows a weight row's accumulator at a time (the float32
+    # decode of a batch), fewer rows the block kernel's way: every batch size gives a row the
+    # bits it gets alone, for a whole number of rounds and a half one (1504 = 47 blocks)
+    n = 41
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(13, k, generator=gen) * torch.logspace(-3, 3, k)
+    alone = torch.cat([fixed_order_matmul(x[r : r + 1], w, flags) for r in range(13)])
+    for rows in (2, 4, 5, 7, 8, 9, 13):
+        assert torch.equal(fixed_order_matmul(x[:rows], w, flags), alone[:rows])
+
+
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
 def test_every_build_sums_in_the_same_order(gguf_type):
     n, k = 29, 1504  # 47 blocks: full rounds and a half one
