@@ -392,9 +392,12 @@ def pin_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict | None:
     """Position-wise identical tokens, and tokens before each sequence's first difference (after
-    one the two continue from different text, so both are reported)."""
+    one the two continue from different text, so both are reported); None without tokens (a
+    run of figures that decode nothing on both sides)."""
+    if not any(ours):
+        return None
     same = total = prefix = 0
     for a, b in zip(ours, theirs, strict=True):
         total += len(a)
