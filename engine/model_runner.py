@@ -293,7 +293,8 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv(config, num_blocks)
-        # GGUF block weights under the native backend: small decode steps run as one C call
+        # GGUF block weights or float32 matrices under the native backend: small decode steps
+        # run as one C call
         self.decode_stack = (
             native_decode_stack(
                 self.model, self.kv_caches, self.scale, int8_activations=self.int8_activations

@@ -1,7 +1,9 @@
 """Wires a loaded model into the one-call C decode step (kernels/decode_step.py), where it fits.
 
-The C step takes GGUF block weights (``weight_quant=gguf``) in float32 on CPU, over a float32,
-float16 or bfloat16 KV cache. The runner uses
+The C step takes GGUF block weights (``weight_quant=gguf``), or a float32 model's plain matrices,
+in float32 on CPU, over a float32, float16 or bfloat16 KV cache. Plain matrices go through the
+same fixed-order matmul (kernels/csrc/block_quant.h) as the torch model's decode-sized
+``linear``, so a float32 model's decode loses only its Python per layer. The runner uses
 it for steps made only of decode tokens, up to ``MAX_ROWS`` of them; every other step, and every
 model it does not fit, runs the torch model as before.
 """
@@ -22,6 +24,17 @@ __all__ = ["MAX_ROWS", "native_decode_stack"]
 log = logging.getLogger(__name__)
 
 
+def _plain_float32(w: object) -> bool:
+    """A float32 matrix the C step reads in place (a float32 model's weight)."""
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.dim() == 2
+        and w.is_contiguous()
+    )
+
+
 def native_decode_stack(
     model: LlamaModel,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -31,7 +44,8 @@ def native_decode_stack(
     int8_activations: bool = False,
 ) -> DecodeStack | None:
     """The C decode stack over ``model``'s weights and ``kv_caches``, or None (and why, logged
-    at debug level) when the model is not all block weights in float32 or C cannot be built.
+    at debug level) when the model is neither all block weights nor all float32 matrices (blocks
+    only with int8 activations), or C cannot be built.
     ``split_len``: positions per attention split (cpu_ops.SPLIT_LEN; tests vary it).
     ``int8_activations``: the matmuls round their inputs to int8 (kernels/csrc/q8_act.h)."""
     config = model.config
@@ -42,9 +56,11 @@ def native_decode_stack(
     for block, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         attn, mlp = block.attn, block.mlp
         weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
-        if not all(isinstance(w, BlockQuantWeight) for w in weights):
+        blocks = all(isinstance(w, BlockQuantWeight) for w in weights)
+        if not (blocks or (not int8_activations and all(map(_plain_float32, weights)))):
             log.debug(
-                "no C decode step: layer %d has weights that are not GGUF blocks",
+                "no C decode step: layer %d has weights that are neither all GGUF blocks nor "
+                "all float32 matrices (int8 activations need blocks)",
                 block.attn.layer_idx,
             )
             return None

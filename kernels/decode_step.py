@@ -19,6 +19,9 @@ from prefixrag.kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuan
 from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
 from prefixrag.kernels.native_build import load_library
 
+# csrc/block_quant.h's kind for plain float32 rows (a float32 model's weights)
+KIND_F32 = 32
+
 # Decode batches past this many rows are better served by the GEMM path (csrc/decode_step.c
 # has the same bound).
 MAX_ROWS = 16
@@ -85,25 +88,30 @@ def build() -> ctypes.CDLL:
 @dataclass(slots=True)
 class DecodeLayer:
     """One layer's weights and KV cache as the C step reads them (on CPU; float32, but for the
-    KV cache, which may be float16 or bfloat16 too)."""
+    KV cache, which may be float16 or bfloat16 too). A weight is GGUF blocks or a plain float32
+    matrix (a float32 model; not with int8 activations)."""
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    qkv: BlockQuantWeight  # [(Hq + 2 Hkv) D, H]
-    o: BlockQuantWeight  # [H, Hq D]
-    gate_up: BlockQuantWeight  # [2 I, H]
-    down: BlockQuantWeight  # [H, I]
+    qkv: BlockQuantWeight | torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    o: BlockQuantWeight | torch.Tensor  # [H, Hq D]
+    gate_up: BlockQuantWeight | torch.Tensor  # [2 I, H]
+    down: BlockQuantWeight | torch.Tensor  # [H, I]
     k_cache: torch.Tensor  # [num_blocks, bs, Hkv, D]
     v_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
 
-def _weight(w: BlockQuantWeight, n: int, k: int, name: str) -> _Weight:
+def _weight(w: BlockQuantWeight | torch.Tensor, n: int, k: int, name: str) -> _Weight:
     if tuple(w.shape) != (n, k):
         raise ValueError(f"{name} is {tuple(w.shape)}, the stack needs ({n}, {k})")
     if k % QBLOCK or k > MAX_K:
         raise ValueError(f"{name}: K = {k} must be a multiple of {QBLOCK} up to {MAX_K}")
+    if isinstance(w, torch.Tensor):
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU matrix, got {w.dtype}")
+        return _Weight(KIND_F32, 0, w.data_ptr(), None, None)
     m = 0 if w.m is None else w.m.data_ptr()
     return _Weight(_KIND[w.kind], 0, w.codes.data_ptr(), w.d.data_ptr(), m)
 
@@ -154,6 +162,9 @@ class DecodeStack:
         if kv_dtype not in KV_KINDS:
             raise ValueError(f"the KV cache must be float32, float16 or bfloat16, not {kv_dtype}")
         qkv_width = (heads + 2 * kv_heads) * head_dim
+        weights = (w for ly in layers for w in (ly.qkv, ly.o, ly.gate_up, ly.down))
+        if int8_activations and any(isinstance(w, torch.Tensor) for w in weights):
+            raise ValueError("int8 activations need GGUF block weights, not float32 matrices")
         self._layers = (_Layer * len(layers))()
         for i, ly in enumerate(layers):
             for cache in (ly.k_cache, ly.v_cache):

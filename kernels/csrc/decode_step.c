@@ -123,8 +123,11 @@ static void matmul_for(const decode_shape *sh, const bq_weight *wt, const float 
         bq_matmul_for(wt->kind, x, wt->codes, wt->d, wt->m, out, rows, n, k, w);
 }
 
-static int valid_weight(const bq_weight *w, int64_t k) {
-    return valid_kind(w->kind) && k % QBLOCK == 0 && k <= MAX_K;
+/* block weights, or plain float32 rows (KIND_F32: the fixed-order matmul of a float32 model;
+ * int8 activations quantize against blocks only) */
+static int valid_weight(const decode_shape *sh, const bq_weight *w, int64_t k) {
+    const int kind_ok = valid_kind(w->kind) || (w->kind == KIND_F32 && !sh->act_q8);
+    return kind_ok && k % QBLOCK == 0 && k <= MAX_K;
 }
 
 /* x [B, H]: the token embeddings in, the hidden states out. positions, slots int64 [B];
@@ -142,8 +145,8 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
         return -1;
     for (int64_t i = 0; i < num_layers; i++) {
         const decode_layer *ly = layers + i;
-        if (!valid_weight(&ly->qkv, hidden) || !valid_weight(&ly->o, hq * d) ||
-            !valid_weight(&ly->gate_up, hidden) || !valid_weight(&ly->down, sh->inter))
+        if (!valid_weight(sh, &ly->qkv, hidden) || !valid_weight(sh, &ly->o, hq * d) ||
+            !valid_weight(sh, &ly->gate_up, hidden) || !valid_weight(sh, &ly->down, sh->inter))
             return -1;
     }
     for (int64_t r = 0; r < rows; r++) {

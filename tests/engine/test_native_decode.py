@@ -52,6 +52,38 @@ def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: i
     return out
 
 
+@pytest.fixture(scope="module")
+def float32_runners(tmp_path_factory) -> dict[str, ModelRunner]:
+    """The packaged model dequantized to plain float32 matrices (weight_quant none)."""
+    cache_dir = tmp_path_factory.mktemp("native-decode-fp32")
+    return {
+        backend: ModelRunner(
+            packaged_llm_path(),
+            block_size=BLOCK,
+            num_blocks=128,
+            cache_dir=cache_dir,
+            weight_quant="none",
+            backend=backend,
+        )
+        for backend in ("native", "torch")
+    }
+
+
+def test_a_float32_model_decodes_in_the_c_step_as_the_torch_model_does(float32_runners):
+    native, torch_runner = float32_runners["native"], float32_runners["torch"]
+    assert native.decode_stack is not None and torch_runner.decode_stack is None
+    prompts = _prompts(native)
+    ours = _prefill_then_decode(native, prompts, 6)
+    ref = _prefill_then_decode(torch_runner, prompts, 6)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+    # a row decoded beside others gets the bits it gets alone
+    alone = _prefill_then_decode(native, prompts[:1], 3)
+    for a, b in zip(alone, ours[:3], strict=True):
+        assert torch.equal(a[0], b[0])
+
+
 def test_gguf_runner_takes_the_c_step_only_under_the_native_backend(runners):
     assert runners["native"].decode_stack is not None
     assert runners["torch"].decode_stack is None
