@@ -6,7 +6,9 @@ alternating who goes first, so machine noise hits both), medians over --repeats:
 - GGUF blocks: ours with ``weight_quant=gguf`` (the packaged SmolLM2 Q4_1 file's own blocks)
   against llama.cpp (llama-cpp-python) on that same file. llama.cpp lives in its own venv
   (bash bench/setup_peers.sh) and runs as a child process, bench/llama_peer.py; without that venv
-  its columns read "not installed" and everything else still runs.
+  its columns read "not installed" and everything else still runs. Its flash attention is
+  whichever of on and off runs a probe prompt faster on this host (--llama-flash-attn best, the
+  default; the JSON keeps the probe's times).
 - float32: ours with ``weight_quant=none`` against Hugging Face transformers in float32 on the same
   dequantized weights.
 
@@ -86,6 +88,9 @@ SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENT_OFFSET, SHORT_OFFSET = 4000, 6000
 # the partly cached prompt (its head, then two different rests) sits between the two
 PARTIAL_OFFSET = 2400
+# the probe that picks llama.cpp's flash-attention setting (--llama-flash-attn best): a
+# 1,024-token prefix, two 32-token suffixes and a decode, after the short prompt
+PROBE_OFFSET, PROBE_PREFIX, PROBE_STEP = 6100, 1024, 32
 
 FULL = {
     "prefix_tokens": 2048,
@@ -349,8 +354,11 @@ class LlamaCpp:
             self.proc.wait()
 
 
-def start_llama_cpp(args: argparse.Namespace, sizes: dict, model: str) -> LlamaCpp | str:
-    """The peer, or why there is none (the text that goes in its columns)."""
+def start_llama_cpp(
+    args: argparse.Namespace, sizes: dict, model: str, probe: list[int]
+) -> LlamaCpp | str:
+    """The peer, or why there is none (the text that goes in its columns). With
+    --llama-flash-attn best, both settings run ``probe`` and the faster one is kept."""
     python = args.peers_venv / "bin" / "python"
     if not python.is_file():
         return NOT_INSTALLED
@@ -358,9 +366,50 @@ def start_llama_cpp(args: argparse.Namespace, sizes: dict, model: str) -> LlamaC
     longest = max(longest, sizes["partial_cached_tokens"] + sizes["partial_new_tokens"])
     n_ctx = -(-(longest + 64) // 256) * 256  # room for every prompt, in whole 256s
     try:
-        return LlamaCpp(python, model, args.threads, n_ctx, args.llama_flash_attn)
+        if args.llama_flash_attn != "best":
+            return LlamaCpp(python, model, args.threads, n_ctx, args.llama_flash_attn)
+        return best_flash_attn(python, model, args.threads, n_ctx, probe)
     except (RuntimeError, OSError, json.JSONDecodeError) as exc:
         return f"{NOT_INSTALLED}: {exc}"
+
+
+def probe_seconds(peer: LlamaCpp, probe: list[int]) -> dict:
+    """One TTFT pair and one decode over ``probe``: seconds of each, and their sum."""
+    prefix = probe[: -2 * PROBE_STEP]
+    pair = peer.ttft_pair(prefix, probe[-2 * PROBE_STEP : -PROBE_STEP], probe[-PROBE_STEP:])
+    tok_s, _ = peer.decode(prefix, PROBE_STEP)
+    times = {
+        "cold_s": pair["cold_ttft_ms"] / 1000,
+        "warm_s": pair["warm_ttft_ms"] / 1000,
+        "decode_s": (PROBE_STEP - 1) / tok_s,
+    }
+    return times | {"total_s": sum(times.values())}
+
+
+def best_flash_attn(python: Path, model: str, threads: int, n_ctx: int, probe: list[int]):
+    """llama.cpp with flash attention on and off: each runs the probe twice (the first is its
+    warm-up), the faster in total is kept and the other closed. The winner differs by CPU:
+    on one 2-core Xeon, flash attention made llama.cpp's decode at a 2k context 2.4x slower
+    and its warm TTFT 6x slower, where on other hosts it helps."""
+    timed: dict[str, dict] = {}
+    peers: dict[str, LlamaCpp] = {}
+    try:
+        for setting in ("on", "off"):
+            peers[setting] = LlamaCpp(python, model, threads, n_ctx, setting)
+            probe_seconds(peers[setting], probe)
+            timed[setting] = probe_seconds(peers[setting], probe)
+        best = min(timed, key=lambda k: timed[k]["total_s"])
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        raise
+    for setting, peer in peers.items():
+        if setting != best:
+            peer.close()
+    winner = peers[best]
+    winner.info["flash_attn"] = f"{best} (best of on/off on a probe)"
+    winner.info["flash_attn_probe"] = timed
+    return winner
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -664,9 +713,10 @@ def main() -> None:
     parser.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     parser.add_argument(
         "--llama-flash-attn",
-        choices=("on", "off"),
-        default="on",
-        help="llama.cpp flash attention (its own default, auto, is on for CPU)",
+        choices=("best", "on", "off"),
+        default="best",
+        help="llama.cpp flash attention; best (default): both run a probe and the faster is "
+        "kept (llama.cpp's own default, auto, is on for CPU, which is not always the faster)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -729,7 +779,9 @@ def main() -> None:
         more_gguf["gguf_int8_act"] = build_engine(q8_config, "gguf", args.kv_cache_dtype)
     fp32 = None if args.no_fp32 else build_engine(config, "none", "float32")
     transformers_model = None if args.no_fp32 else load_transformers()
-    llama = start_llama_cpp(args, sizes, model_path)
+    probe_prefix = min(PROBE_PREFIX, sizes["prefix_tokens"])  # within n_ctx, --quick too
+    probe = corpus_ids(gguf, probe_prefix + 2 * PROBE_STEP, PROBE_OFFSET)
+    llama = start_llama_cpp(args, sizes, model_path, probe)
     try:
         result = run(args, sizes, gguf, fp32, transformers_model, llama, more_gguf)
     finally:
