@@ -14,19 +14,23 @@ from prefixrag.kernels.decode_step import MAX_ROWS
 BLOCK = 8
 
 
+def _runner(cache_dir, backend: str, weight_quant: str, q8: bool = False) -> ModelRunner:
+    return ModelRunner(
+        packaged_llm_path(),
+        block_size=BLOCK,
+        num_blocks=128,
+        cache_dir=cache_dir,
+        weight_quant=weight_quant,
+        backend=backend,
+        int8_activations=q8,
+    )
+
+
 @pytest.fixture(scope="module")
 def runners(tmp_path_factory) -> dict[str, ModelRunner]:
     cache_dir = tmp_path_factory.mktemp("native-decode")
     return {
-        backend + ("_q8" if q8 else ""): ModelRunner(
-            packaged_llm_path(),
-            block_size=BLOCK,
-            num_blocks=128,
-            cache_dir=cache_dir,
-            weight_quant="gguf",
-            backend=backend,
-            int8_activations=q8,
-        )
+        backend + ("_q8" if q8 else ""): _runner(cache_dir, backend, "gguf", q8)
         for backend in ("native", "torch")
         for q8 in (False, True)
     }
@@ -56,17 +60,7 @@ def _prefill_then_decode(runner: ModelRunner, prompts: list[list[int]], steps: i
 def float32_runners(tmp_path_factory) -> dict[str, ModelRunner]:
     """The packaged model dequantized to plain float32 matrices (weight_quant none)."""
     cache_dir = tmp_path_factory.mktemp("native-decode-fp32")
-    return {
-        backend: ModelRunner(
-            packaged_llm_path(),
-            block_size=BLOCK,
-            num_blocks=128,
-            cache_dir=cache_dir,
-            weight_quant="none",
-            backend=backend,
-        )
-        for backend in ("native", "torch")
-    }
+    return {backend: _runner(cache_dir, backend, "none") for backend in ("native", "torch")}
 
 
 def test_a_float32_model_decodes_in_the_c_step_as_the_torch_model_does(float32_runners):
