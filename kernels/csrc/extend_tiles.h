@@ -166,6 +166,35 @@ static inline void add_weighted_rows2(float *acc_a, const float *wa, float *acc_
     add_weighted_rows(acc_b, wb, rows, 0, n, d);
 }
 
+#if defined(__AVX512F__)
+/* add_weighted_rows2 for four query vectors (acc[u] += sum over i < n of w[u][i] * v[i]), the
+ * same chains term for term: each value row is loaded once for all four, so a load feeds four
+ * fused multiply-adds, not two; the 16 accumulators, a row's 4 vectors and a broadcast fit
+ * AVX-512's 32 registers. d % 64 == 0. */
+static inline void add_weighted_rows4(float *const *acc, const float (*w)[EXT_KEYS],
+                                      const float *v, int64_t n, int64_t d) {
+    for (int64_t j = 0; j < d; j += 64) {
+        __m512 a[4][4];
+        for (int u = 0; u < 4; u++)
+            for (int c = 0; c < 4; c++) a[u][c] = _mm512_loadu_ps(acc[u] + j + 16 * c);
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = v + i * d + j;
+            const __m512 v0 = _mm512_loadu_ps(r), v1 = _mm512_loadu_ps(r + 16);
+            const __m512 v2 = _mm512_loadu_ps(r + 32), v3 = _mm512_loadu_ps(r + 48);
+            for (int u = 0; u < 4; u++) {
+                const __m512 x = _mm512_set1_ps(w[u][i]);
+                a[u][0] = _mm512_fmadd_ps(x, v0, a[u][0]);
+                a[u][1] = _mm512_fmadd_ps(x, v1, a[u][1]);
+                a[u][2] = _mm512_fmadd_ps(x, v2, a[u][2]);
+                a[u][3] = _mm512_fmadd_ps(x, v3, a[u][3]);
+            }
+        }
+        for (int u = 0; u < 4; u++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc[u] + j + 16 * c, a[u][c]);
+    }
+}
+#endif
+
 /* kt[j][i] = rows[i][j] for i < EXT_KEYS, j < d: the chunk's keys laid out dim-major for
  * score_quad. In 4x4 blocks of 128-bit loads, shuffles and stores where d allows: a scalar
  * scatter costs a load and a store per element, about a tenth of the whole kernel's time at a
@@ -299,7 +328,14 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
                 }
                 a[d + 1] += exp_shifted(sc, vis[u], a[d]);
             }
-            /* values, two query vectors at a time where they see the same positions */
+            /* values, four or two query vectors at a time where they see the same positions */
+#if defined(__AVX512F__)
+            if (d % 64 == 0 && v0 + EXT_QUAD <= nq && vis[0] && vis[1] == vis[0] &&
+                vis[2] == vis[0] && vis[3] == vis[0]) {
+                add_weighted_rows4(acc + v0, (const float (*)[EXT_KEYS])s, vt, vis[0], d);
+                continue;
+            }
+#endif
             for (int u = 0; u < EXT_QUAD && v0 + u < nq; u += 2) {
                 const int64_t v = v0 + u;
                 const int pair = u + 1 < EXT_QUAD && v + 1 < nq && vis[u + 1] == vis[u];
