@@ -63,6 +63,11 @@ class ScheduledSeq:
     block_ids: list[int]
     do_sample: bool
     reuse: ReusePlan | None = None
+    # a decode entry's stop test, precomputed once (see Scheduler._decode_item): the sequence
+    # may have stopped when it holds stop_len tokens or sampled one of stop_ids; the defaults
+    # send every sample of other entries to the full test
+    stop_len: int = 0
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def context_len(self) -> int:
@@ -234,7 +239,7 @@ class Scheduler:
                 continue
             item = items.get(seq.seq_id)
             if item is None:
-                item = items[seq.seq_id] = ScheduledSeq(seq, [0], 0, seq.block_ids, True)
+                item = items[seq.seq_id] = self._decode_item(seq)
             item.token_ids[0] = token_ids[-1]
             item.start_pos = num_tokens - 1
             item.block_ids = seq.block_ids
@@ -243,6 +248,17 @@ class Scheduler:
         out.num_batched_tokens += num_decodes
         out.num_samples += num_decodes
         return budget - num_decodes
+
+    def _decode_item(self, seq: Sequence) -> ScheduledSeq:
+        # what postprocess's stop test needs, folded into one length and one set: a sequence
+        # may stop once it holds max_tokens completion tokens or max_seq_len tokens in all, or
+        # on a stop token id, or on EOS unless ignore_eos (_stop_reason has the last word)
+        params = seq.sampling_params
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        stop_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_seq_len)
+        return ScheduledSeq(seq, [0], 0, seq.block_ids, True, None, stop_len, stop_ids)
 
     def _grow_for_decode(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
         # the decode token of ``seq`` starts a new block: preempt the newest sequence not yet
@@ -418,10 +434,27 @@ class Scheduler:
             )
         self._in_flight = None
         finished: list[Sequence] = []
-        sampled = iter(sampled_token_ids)
         block_size = self.config.block_size
         running = SequenceStatus.RUNNING
         has_plans = bool(self._plans)
+        if not has_plans and out.num_batched_tokens == out.num_samples == len(out.seqs):
+            # one token an entry, each sampled: a pure decode step (or 1-token prefill ends)
+            for item, token_id in zip(out.seqs, sampled_token_ids, strict=True):
+                seq = item.seq
+                if seq.status is not running:
+                    continue  # finished or aborted while the step ran
+                computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                if computed % block_size == 0:  # the token filled a block
+                    self.blocks.cache_full_blocks(seq)
+                token_ids = seq.token_ids
+                token_ids.append(token_id)
+                if len(token_ids) >= item.stop_len or token_id in item.stop_ids:
+                    reason = self._stop_reason(seq, token_id)
+                    if reason is not None:
+                        self._finish(seq, reason)
+                        finished.append(seq)
+            return finished
+        sampled = iter(sampled_token_ids)
         eos_ids, max_seq_len = self.eos_token_ids, self.max_seq_len
         # NOTE: this loop runs for every sequence on every step: the stop test is inlined (a
         # call per sequence is a measurable share of a decode step) and only names the reason
