@@ -38,6 +38,7 @@ from prefixrag.engine.decode_graphs import (
     DecodeGraphs,
     graph_batch_sizes,
 )
+from prefixrag.engine.host_memory import retain_freed_memory
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
@@ -256,6 +257,8 @@ class ModelRunner:
         if not 0 < gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            retain_freed_memory()  # prefill buffers come back without page faults
         self.dtype = resolve_dtype(dtype, self.device)
         self.weight_quant = resolve_weight_quant(
             weight_quant, self.device, self.dtype, self.model_path
