@@ -411,6 +411,7 @@ static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, 
         const float *dj, *mj;
         row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
 #if defined(Q8A_SIMD)
+        prefetch_block_row(kind, codes, d, m, j, n, k);
         for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
             float res[Q8A_ROWS];
             const int g = rows - r0 < Q8A_ROWS ? (int)(rows - r0) : Q8A_ROWS;
