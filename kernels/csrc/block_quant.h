@@ -292,6 +292,8 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
  * ahead into L2 (measured over a float32 SmolLM2-135M's matrices at 8 rows, 2 threads, on a
  * 2-core Xeon: 34.3 -> 29.6 ms, same bits; one slot a pass overflows AVX2's 16 registers). */
 #define SLOT_PASS 2
+#define SLOT_PREFETCH_ROWS 2
+#define SLOT_PREFETCH_HINT 2
 /* A block row's three planes (codes, d, m) are three streams, which the hardware prefetcher
  * follows late at a decode step's pace: the row two ahead is prefetched into L2 (decode of the
  * Q4_1 SmolLM2-135M on a 2-core Xeon, interleaved builds, five runs: +3% to +17% tok/s; one row
@@ -299,8 +301,6 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
  * Q4_K_M, whose Q5_0 matrices are held as 8-bit codes). Not measured on AVX2 hosts: left off
  * there. */
 #define BLOCK_PREFETCH_ROWS 2
-#define SLOT_PREFETCH_ROWS 2
-#define SLOT_PREFETCH_HINT 2
 #else
 #define SLOT_PASS 1
 #define SLOT_PREFETCH_ROWS 1
