@@ -322,9 +322,9 @@ static ALWAYS_INLINE void dot_rows_f32_slots(const float *x, int64_t k, const fl
         const int64_t end = rounds + (half && a < NACC / 2);
         for (int64_t i = 0; i < end; i++) {
             const int64_t at = i * NUM_PARTIALS + LANES * a;
-            if (ahead && a == 0)
-                for (int l = 0; l < NUM_PARTIALS && at - LANES * a + l < k; l += 16)
-                    __builtin_prefetch(ahead + i * NUM_PARTIALS + l, 0, SLOT_PREFETCH_HINT);
+            if (ahead && a == 0) /* round i of that row, a 64-byte line (16 floats) at a time */
+                for (int64_t l = i * NUM_PARTIALS; l < (i + 1) * NUM_PARTIALS && l < k; l += 16)
+                    __builtin_prefetch(ahead + l, 0, SLOT_PREFETCH_HINT);
             vec wv[SLOT_PASS];
             for (int s = 0; s < SLOT_PASS; s++) wv[s] = vload(w + at + LANES * s);
             for (int r = 0; r < R; r++)
