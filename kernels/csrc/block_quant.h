@@ -295,12 +295,13 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
 #define SLOT_PREFETCH_ROWS 2
 #define SLOT_PREFETCH_HINT 2
 /* A block row's three planes (codes, d, m) are three streams, which the hardware prefetcher
- * follows late at a decode step's pace: the row two ahead is prefetched into L2 (decode of the
- * Q4_1 SmolLM2-135M on a 2-core Xeon, interleaved builds, five runs: +3% to +17% tok/s; one row
- * ahead gained nothing, and prefetchnta lost 15%; with int8 activations +5% on Q4_1 and +20% on
- * Q4_K_M, whose Q5_0 matrices are held as 8-bit codes). Not measured on AVX2 hosts: left off
- * there. */
-#define BLOCK_PREFETCH_ROWS 2
+ * follows late at a decode step's pace: the row eight ahead is prefetched into L2. Decode of the
+ * SmolLM2-135M on a 2-core Xeon, interleaved builds: two rows ahead against none gave +3% to +17%
+ * tok/s on Q4_1 and +20% on Q4_K_M with int8 activations (one row ahead gained nothing, and
+ * prefetchnta lost 15%); eight rows against two then gave +6% on Q4_1 and Q4_K_M with int8
+ * activations, +4% on Q4_K_M in float32, 0% on Q4_1 in float32 (sixteen: the same as eight,
+ * thirty-two: less). Not measured on AVX2 hosts: left off there. */
+#define BLOCK_PREFETCH_ROWS 8
 #else
 #define SLOT_PASS 1
 #define SLOT_PREFETCH_ROWS 1
