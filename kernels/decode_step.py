@@ -17,7 +17,7 @@ import torch
 
 from prefixrag.kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
 from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
-from prefixrag.kernels.native_build import load_library
+from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 # csrc/block_quant.h's kind for plain float32 rows (a float32 model's weights)
 KIND_F32 = 32
@@ -73,9 +73,10 @@ class _Scratch(ctypes.Structure):
 
 
 @functools.cache
-def build() -> ctypes.CDLL:
-    """The library, built on first use; raises NativeBuildError without a working C compiler."""
-    lib = load_library("decode_step.c")
+def build(flags: tuple[str, ...] = DEFAULT_FLAGS) -> ctypes.CDLL:
+    """The library, built on first use; raises NativeBuildError without a working C compiler.
+    ``flags``: the compiler's (bench/kernel_flags_ab.py compares builds)."""
+    lib = load_library("decode_step.c", flags)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.decode_step.restype = ctypes.c_int
     lib.decode_step.argtypes = [
