@@ -55,20 +55,19 @@ def parse_variants(specs: list[str]) -> dict[str, tuple[str, ...]]:
     return variants
 
 
+# the engine's C entry points as imported, before use_build wraps them
+_DECODE_STEP_BUILD = decode_step.build
+_BLOCK_QUANT_MATMUL = bqm.block_quant_matmul
+_FIXED_ORDER_MATMUL = bqm.fixed_order_matmul
+
+
 def use_build(extra: tuple[str, ...]) -> None:
     """Point the engine's C calls at the build with ``extra`` flags (each build is compiled once
     and cached by load_library). The engine looks these names up at call time."""
     flags = (*DEFAULT_FLAGS, *extra)
-    decode_step.build = functools.partial(_ORIGINAL["build"], flags)  # type: ignore[assignment]
-    quant.block_quant_matmul = functools.partial(_ORIGINAL["bqm"], flags=flags)  # type: ignore[assignment]
-    quant.fixed_order_matmul = functools.partial(_ORIGINAL["fixed"], flags=flags)  # type: ignore[assignment]
-
-
-_ORIGINAL = {
-    "build": decode_step.build,
-    "bqm": bqm.block_quant_matmul,
-    "fixed": bqm.fixed_order_matmul,
-}
+    decode_step.build = functools.partial(_DECODE_STEP_BUILD, flags)  # type: ignore[assignment]
+    quant.block_quant_matmul = functools.partial(_BLOCK_QUANT_MATMUL, flags=flags)  # type: ignore[assignment]
+    quant.fixed_order_matmul = functools.partial(_FIXED_ORDER_MATMUL, flags=flags)  # type: ignore[assignment]
 
 
 def rotated(names: list[str], rep: int) -> list[str]:
