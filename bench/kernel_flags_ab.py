@@ -6,9 +6,10 @@ drifts by a third within an hour, so two builds are comparable only when measure
 interleaved. Each variant ``NAME=FLAGS`` builds the decode step (kernels/csrc/decode_step.c) and
 the block matmul library (kernels/csrc/block_quant_matmul.c: the LM head and every other matmul
 outside the C step) with FLAGS added to the usual ones. Every repeat runs each variant once on one
-engine, each variant going first in turn; the first repeat is a warm-up. Medians are reported with
-every sample. The builds may differ in speed only: a variant whose tokens differ from the first
-one's is an error.
+engine, each variant going first in turn; the first repeat is a warm-up. A variant's speed against
+the first one is the median of the repeats' own ratios, reported with their range and every
+sample. The builds may differ in speed only: a variant whose tokens differ from the first one's is
+an error.
 
     python -m bench.kernel_flags_ab base= near=-DBLOCK_PREFETCH_ROWS=2
     python -m bench.kernel_flags_ab base= near=-DBLOCK_PREFETCH_ROWS=2 --gguf-type Q4_K_M \
@@ -78,16 +79,21 @@ def rotated(names: list[str], rep: int) -> list[str]:
 
 
 def summarize(samples: dict[str, list[float]]) -> dict:
-    """Median tok/s per variant and its ratio to the first variant's."""
-    first = statistics.median(next(iter(samples.values())))
-    return {
-        name: {
+    """Per variant: its median tok/s, and its ratio to the first variant as the median of the
+    repeats' own ratios (a repeat's runs are seconds apart, so the host's slower drift cancels
+    in them), with the lowest and highest of those ratios and how many repeats it won."""
+    first = next(iter(samples.values()))
+    out = {}
+    for name, values in samples.items():
+        ratios = [v / f for v, f in zip(values, first, strict=True)]
+        out[name] = {
             "median_tok_s": statistics.median(values),
-            "vs_first": statistics.median(values) / first,
+            "vs_first": statistics.median(ratios),
+            "vs_first_range": [min(ratios), max(ratios)],
+            "repeats_faster_than_first": sum(r > 1 for r in ratios),
             "samples_tok_s": values,
         }
-        for name, values in samples.items()
-    }
+    return out
 
 
 def main() -> None:
@@ -156,7 +162,12 @@ def main() -> None:
     print(f"{Path(model).name}, {args.weights}, batch {args.batch}, {args.repeats} repeats")
     for name, r in result["results"].items():
         flags = " ".join(variants[name]) or "(the usual flags)"
-        print(f"  {name:12s} {r['median_tok_s']:8.1f} tok/s  {r['vs_first']:6.3f}x  {flags}")
+        low, high = r["vs_first_range"]
+        print(
+            f"  {name:12s} {r['median_tok_s']:8.1f} tok/s  {r['vs_first']:6.3f}x "
+            f"({low:.2f}-{high:.2f}, faster in {r['repeats_faster_than_first']} of "
+            f"{args.repeats})  {flags}"
+        )
     print(f"wrote {args.out}")
 
 

@@ -55,11 +55,16 @@ def test_each_variant_goes_first_in_turn():
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
 
 
-def test_summary_is_each_median_against_the_first():
-    got = ab.summarize({"a": [10.0, 30.0, 20.0], "b": [25.0, 15.0, 35.0]})
-    assert got["a"]["median_tok_s"] == 20.0
-    assert got["b"]["vs_first"] == pytest.approx(1.25)
-    assert got["b"]["samples_tok_s"] == [25.0, 15.0, 35.0]
+def test_the_ratio_is_the_median_of_each_repeats_own():
+    # the host halves its speed after the first repeat: per-repeat ratios see b 10% faster in
+    # every repeat, where a ratio of medians would read the drift into it
+    got = ab.summarize({"a": [100.0, 50.0, 52.0], "b": [110.0, 55.0, 57.2]})
+    assert got["a"]["median_tok_s"] == 52.0
+    assert got["b"]["vs_first"] == pytest.approx(1.1)
+    assert got["b"]["vs_first_range"] == pytest.approx([1.1, 1.1])
+    assert got["b"]["repeats_faster_than_first"] == 3
+    assert got["b"]["samples_tok_s"] == [110.0, 55.0, 57.2]
+    assert got["a"]["vs_first"] == 1.0
 
 
 @pytest.mark.slow
