@@ -292,8 +292,8 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
  * ahead into L2 (measured over a float32 SmolLM2-135M's matrices at 8 rows, 2 threads, on a
  * 2-core Xeon: 34.3 -> 29.6 ms, same bits; one slot a pass overflows AVX2's 16 registers). */
 #define SLOT_PASS 2
-/* the prefetch settings here may be set at build time (-D) to compare builds of the decode step:
- * bench/kernel_flags_ab.py */
+/* the prefetch settings here may be set at build time (-D), to compare builds of the kernels in
+ * one engine: bench/kernel_flags_ab.py */
 #ifndef SLOT_PREFETCH_ROWS
 #define SLOT_PREFETCH_ROWS 2
 #endif
@@ -304,9 +304,9 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
  * follows late at a decode step's pace: the row eight ahead is prefetched into L2. Decode of the
  * SmolLM2-135M on a 2-core Xeon, interleaved builds: two rows ahead against none gave +3% to +17%
  * tok/s on Q4_1 and +20% on Q4_K_M with int8 activations (one row ahead gained nothing, and
- * prefetchnta lost 15%); eight rows against two then gave +6% on Q4_1 and Q4_K_M with int8
- * activations, +4% on Q4_K_M in float32, 0% on Q4_1 in float32 (sixteen: the same as eight,
- * thirty-two: less). Not measured on AVX2 hosts: left off there. */
+ * prefetchnta lost 15%); eight rows against two then gave +19% on Q4_K_M with int8 activations,
+ * +7% in float32 and +4% on Q4_1 (bench/results/kernel_flags_ab_prefetch_*.json; sixteen: the
+ * same as eight, thirty-two: less). Not measured on AVX2 hosts: left off there. */
 #ifndef BLOCK_PREFETCH_ROWS
 #define BLOCK_PREFETCH_ROWS 8
 #endif

@@ -76,5 +76,7 @@ def test_two_builds_of_the_packaged_model_decode_the_same_tokens(tmp_path):
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
-    assert set(result["results"]) == {"base", "near"}
+    # the run ends only when both builds decoded the same tokens; each reports its own speed
+    assert result["variants"] == {"base": [], "near": ["-DBLOCK_PREFETCH_ROWS=1"]}
     assert all(r["median_tok_s"] > 0 for r in result["results"].values())
+    assert result["results"]["base"]["vs_first"] == 1.0
