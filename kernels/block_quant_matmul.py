@@ -164,7 +164,7 @@ def block_quant_matmul(
             _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
         )  # fmt: skip
         if rc == -3:
-            raise MemoryError("block_quant_matmul could not allocate its int8 activations")
+            raise MemoryError("block_quant_matmul could not allocate its scratch memory")
         if rc != 0:
             raise ValueError(f"block_quant_matmul rejected K = {k}")
     return out.reshape(*x.shape[:-1], n)
@@ -228,6 +228,13 @@ def fixed_order_matmul(
     if rc != 0:
         raise ValueError(f"fixed_order_matmul rejected K = {k}")
     return out
+
+
+def tile_min_rows(flags: tuple[str, ...] = DEFAULT_FLAGS) -> int:
+    """The fewest rows of x that take the block kernel's tiles (csrc/block_tiles.h) in the build
+    with ``flags``, 0 where it has none (it needs AVX-512): the same bits, sooner, at tens of
+    rows."""
+    return int(load_library("block_quant_matmul.c", flags).block_quant_tile_min_rows())
 
 
 def simd_lanes(flags: tuple[str, ...] = DEFAULT_FLAGS) -> int:

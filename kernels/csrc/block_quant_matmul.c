@@ -16,16 +16,46 @@
  * N through OpenMP; the library links the libgomp torch already loaded, so torch and this kernel
  * share one thread pool.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "block_quant.h"
+#include "block_tiles.h"
 #include "q8_act.h"
 
-/* kind 4: q4 and 9: q8m (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused).
- * Returns 0, or -1 for a bad K or kind. */
+#if defined(BQ_TILES)
+/* bq_tiles_for with its buffers: x's packed tiles, and each thread's weight tile. Returns 0, or
+ * -3 if the memory could not be had. */
+static int tiled_matmul(int kind, const float *x, const void *codes, const float *d,
+                        const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
+    const int64_t per_thread = tile_scratch_floats(k), threads = omp_get_max_threads();
+    const size_t x_floats = (size_t)(rows / TILE_M * TILE_M * tile_rounds(k) * NUM_PARTIALS);
+    float *xp = aligned_alloc(64, (x_floats + 16) * sizeof(float));
+    float *scratch = aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
+    if (!xp || !scratch) {
+        free(xp);
+        free(scratch);
+        return -3;
+    }
+    pack_x_tiles(x, rows, k, xp);
+#pragma omp parallel
+    bq_tiles_for(kind, x, xp, codes, d, m, out, rows, n, k,
+                 scratch + omp_get_thread_num() * per_thread);
+    free(scratch);
+    free(xp);
+    return 0;
+}
+#endif
+
+/* kind 4: q4 and 9: q8m (codes, d, m); kind 8: q8 and 16: q8_16 (codes, d; m unused). Tens
+ * of rows take the tiles (block_tiles.h), with the same bits. Returns 0, -1 for a bad K or
+ * kind, -3 if the tiles' scratch memory could not be had. */
 int block_quant_matmul(int kind, const float *x, const void *codes, const float *d,
                        const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
     if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
+#if defined(BQ_TILES)
+    if (rows >= TILE_MIN_ROWS) return tiled_matmul(kind, x, codes, d, m, out, rows, n, k);
+#endif
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
@@ -91,6 +121,15 @@ int fixed_order_matmul(const float *x, const float *w, float *out, int64_t rows,
         bq_matmul_for(KIND_F32, x, w, NULL, NULL, out, rows, n, k, buf);
     }
     return 0;
+}
+
+/* The fewest rows of x that take the tiles (block_tiles.h) in this build, 0 where it has none */
+int block_quant_tile_min_rows(void) {
+#if defined(BQ_TILES)
+    return TILE_MIN_ROWS;
+#else
+    return 0;
+#endif
 }
 
 /* 16 (AVX-512), 8 (AVX2+FMA) or 1 (portable): which path this build took */

@@ -90,7 +90,8 @@ def test_gguf_prefill_through_packed_weights_matches_the_unpacked_blocks(request
         if isinstance(v, BlockQuantWeight)
     ]
     assert blocks and all(isinstance(w.dense, PackedWeight) for w in blocks)
-    x = _matrix(40, blocks[0].shape[1], 8)
+    # more rows than the block kernel takes (its tiles included): the prefill GEMM's
+    x = _matrix(quant.TILE_KERNEL_MAX_ROWS + 16, blocks[0].shape[1], 8)
     packed_out = quant.linear(x, blocks[0])
     saved = blocks[0].dense
     blocks[0].dense = None  # dequantized on the fly and run by MKL, as before packing

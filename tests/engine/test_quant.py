@@ -264,3 +264,35 @@ def test_float32_linear_takes_the_fixed_order_kernel_up_to_16_rows(rows):
     assert torch.equal(out[0], fixed) == (rows <= 16)
     if rows <= 16:
         assert torch.equal(linear(x[:, :1], weight, bias)[0, 0], out[0, 0])
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 64, 65])
+def test_block_linear_gives_tens_of_rows_a_decode_steps_bits(rows):
+    # a new question of tens of tokens after cached documents: on a build with the block
+    # kernel's tiles (AVX-512) up to TILE_KERNEL_MAX_ROWS rows take them, with each row's bits
+    # what it gets alone (a decode step); past them, the GEMM over the dequantized matrix
+    from prefixrag.engine import quant
+    from prefixrag.kernels.block_quant_matmul import (
+        BlockQuantWeight,
+        block_quant_dequantize,
+        tile_min_rows,
+    )
+
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 50, 192
+    weight = BlockQuantWeight(
+        "q4",
+        torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+        torch.rand(n, k // 32, generator=gen) / 50,
+        -torch.rand(n, k // 32, generator=gen) / 10,
+    )
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, k)
+    out = quant.linear(x, weight)
+    dense = block_quant_dequantize(weight)
+    torch.testing.assert_close(out, x @ dense.T, atol=1e-3, rtol=1e-4)
+    alone = torch.cat([quant.linear(x[r : r + 1], weight) for r in range(rows)])
+    tiles = tile_min_rows() > 0
+    decode_bits = rows <= quant.BLOCK_KERNEL_MAX_ROWS or (
+        tiles and rows <= quant.TILE_KERNEL_MAX_ROWS
+    )
+    assert torch.equal(out, alone) == decode_bits

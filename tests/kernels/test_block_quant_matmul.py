@@ -16,6 +16,7 @@ from prefixrag.kernels.block_quant_matmul import (
     dequantize_torch,
     fixed_order_matmul,
     simd_lanes,
+    tile_min_rows,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
@@ -134,6 +135,28 @@ def test_each_build_takes_its_path():
         assert simd_lanes(AVX2_FLAGS) == 8
     if "avx512f" in host:
         assert simd_lanes(DEFAULT_FLAGS) == 16
+        assert tile_min_rows(DEFAULT_FLAGS) > 0
+    assert tile_min_rows(AVX2_FLAGS) == tile_min_rows(PORTABLE_FLAGS) == 0
+
+
+@BUILDS
+@pytest.mark.parametrize(
+    ("gguf_type", "n", "k"),
+    [("Q4_1", 70, 576), ("Q8_0", 53, 1504), ("Q5_1", 25, 160), ("Q6_K", 49, 768)],
+)
+def test_tens_of_rows_get_each_row_its_bits_alone(flags, gguf_type, n, k):
+    # past tile_min_rows the AVX-512 build packs rows of x and weight rows into tiles
+    # (csrc/block_tiles.h): whole tiles, the rows of x past them and the weight rows past the
+    # last whole tile must all sum as a row alone does (decode), for every kind, for a whole
+    # number of rounds and a half one (1504 and 160: odd block counts)
+    w = from_gguf_blocks(random_gguf_blocks(gguf_type, n, k, seed=n), gguf_type, (n, k))
+    gen = torch.Generator().manual_seed(k)
+    # mixed magnitudes and signs, so a different order would show in the low bits
+    x = torch.randn(67, k, generator=gen) * torch.logspace(-3, 3, k)
+    alone = torch.cat([block_quant_matmul(x[r : r + 1], w, flags) for r in range(67)])
+    for rows in (11, 12, 13, 16, 24, 37, 64, 67):
+        assert torch.equal(block_quant_matmul(x[:rows], w, flags), alone[:rows]), rows
+    assert torch.equal(block_quant_matmul(x, w, PORTABLE_FLAGS), alone)
 
 
 @BUILDS
