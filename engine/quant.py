@@ -42,11 +42,13 @@ log = logging.getLogger(__name__)
 # past it, prefill is compute-bound and a float32 GEMM over the dequantized matrix wins.
 BLOCK_KERNEL_MAX_ROWS = 16
 # NOTE: where the build has the block kernel's tiles (csrc/block_tiles.h, AVX-512), float32 rows
-# of x up to this many (a new question of tens of tokens after cached documents) take them: the
-# same bits as a decode step's, faster than the GEMM up to 64 rows and level at 96. Over the
-# SmolLM2-135M Q4_1's 120 layer matrices, 2 threads, a 2-core Xeon: 16 rows 34.5 -> 29.5 ms,
-# 32 rows 44.7 -> 39.8, 64 rows 70.9 -> 66.3.
-TILE_KERNEL_MAX_ROWS = 64
+# of x up to this many (a new question of tens of tokens after cached documents) take them, with
+# the bits a decode step gives each row. bench/prefill_matmul_bench.py, SmolLM2-135M Q4_1, 2
+# threads, 2-core Xeon, four runs: over the layer matrices the tiles against the GEMM were
+# 0.77-0.88x at 16 rows, 0.88-1.04x at 32, 0.87-1.09x at 48 and 0.94-1.17x at 64 (runs differ:
+# the GEMM streams 5x the bytes, and this host's memory and cores slow down apart); the warm
+# TTFT of 32 new tokens after 2,048 cached was 0.87-0.96x of the GEMM's.
+TILE_KERNEL_MAX_ROWS = 32
 INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
 # multiple of 16 (measured on AVX-512); other shapes are padded with zeros up to one.

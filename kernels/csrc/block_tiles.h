@@ -33,8 +33,11 @@
 #define TILE_N 6
 #endif
 /* Fewer rows than this keep bq_matmul_for: packing costs more than it saves when few rows of x
- * use each weight tile. */
+ * use each weight tile. A build may set it (-D), as bench/prefill_matmul_bench.py does to time
+ * bq_matmul_for at any number of rows. */
+#ifndef TILE_MIN_ROWS
 #define TILE_MIN_ROWS 12
+#endif
 
 /* Packed layout of a tile of R rows of k elements: piece (a, i, r), the 16 elements of row r at
  * i * 64 + LANES * a, sits at ((a * rounds + i) * R + r) * LANES, rounds = ceil(k / 64) (an odd

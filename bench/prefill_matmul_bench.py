@@ -1,0 +1,229 @@
+"""Prefill-sized matmuls over GGUF block weights: the block kernel's tiles against the GEMM.
+
+A new question after cached documents prefills tens of tokens. Up to TILE_KERNEL_MAX_ROWS rows
+(engine/quant.py) a block weight takes the block kernel, with its tiles where the build has them
+(kernels/csrc/block_tiles.h, AVX-512); past it, oneDNN's GEMM over the dequantized matrix, packed
+once at load (engine/packed_gemm.py), which every prefill of more than 16 rows took before.
+
+- matmuls: the packaged model's layer matrices (the LM head left out: a prefill computes it for
+  its last row only), for each row count the whole set through the GEMM, the tiles and the block
+  kernel's row loop without tiles (a build with TILE_MIN_ROWS past every count: what 12 to 16
+  rows took before the tiles), interleaved, the order rotating by repeat; medians, and the
+  median of each repeat's own ratio to the GEMM;
+- warm TTFT: one engine, a 2,048-token prefix cached, then a prompt of it and 32 new tokens, with
+  TILE_KERNEL_MAX_ROWS at BLOCK_KERNEL_MAX_ROWS (the tiles unused: the 32 rows take the GEMM) and
+  at its own value, alternating, each prompt's 32 tokens new.
+
+Writes JSON and a PNG, and prints a summary::
+
+    python -m bench.prefill_matmul_bench [--threads 2] [--repeats 9] [--out PATH.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_bench import (
+    RESULTS,
+    Ours,
+    build_engine,
+    corpus_ids,
+    cpu_info,
+    fresh_scope,
+    pin_threads,
+)
+from prefixrag.app.core.settings import get_settings, packaged_llm_path
+from prefixrag.engine import quant
+from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.packed_gemm import pack_weight, packed_linear
+from prefixrag.kernels.block_quant_matmul import (
+    BlockQuantWeight,
+    block_quant_dequantize,
+    block_quant_matmul,
+    tile_min_rows,
+)
+from prefixrag.kernels.native_build import DEFAULT_FLAGS
+
+ROWS = (16, 32, 48, 64, 96, 128)
+PREFIX, SUFFIX = 2048, 32
+NO_TILES = (*DEFAULT_FLAGS, "-DTILE_MIN_ROWS=1000000")
+
+
+def layer_weights(engine) -> list[tuple[BlockQuantWeight, object]]:
+    """Each layer matrix, with the packed float32 matrix prefill's GEMM reads."""
+    vocab = engine.runner.model.config.vocab_size
+    pairs = []
+    for module in engine.runner.model.modules():
+        for value in vars(module).values():
+            if isinstance(value, BlockQuantWeight) and value.shape[0] != vocab:
+                dense = value.dense
+                if dense is None:
+                    dense = pack_weight(block_quant_dequantize(value))
+                pairs.append((value, dense))
+    return pairs
+
+
+def sweep_ms(run, weights, xs) -> float:
+    start = time.perf_counter()
+    for (block, dense), x in zip(weights, xs, strict=True):
+        run(x, block, dense)
+    return 1000 * (time.perf_counter() - start)
+
+
+def tiles(x, block, dense):
+    return block_quant_matmul(x, block)
+
+
+def row_loop(x, block, dense):
+    return block_quant_matmul(x, block, NO_TILES)
+
+
+def gemm(x, block, dense):
+    return packed_linear(x, dense)
+
+
+KERNELS = {"gemm": gemm, "tiles": tiles, "rows": row_loop}
+
+
+def bench_matmuls(engine, repeats: int) -> dict:
+    weights = layer_weights(engine)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for rows in ROWS:
+        xs = [torch.randn(rows, block.shape[1], generator=gen) for block, _ in weights]
+        # the same products (up to summation order), so a timing is never of a wrong kernel
+        for (block, dense), x in list(zip(weights, xs, strict=True))[:4]:
+            want = gemm(x, block, dense)
+            assert torch.equal(tiles(x, block, dense), row_loop(x, block, dense))
+            torch.testing.assert_close(tiles(x, block, dense), want, atol=1e-4, rtol=1e-4)
+        names = list(KERNELS)
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(repeats + 1):  # the first repeat warms up, untimed
+            for name in names[r % 3 :] + names[: r % 3]:
+                ms = sweep_ms(KERNELS[name], weights, xs)
+                if r:
+                    samples[name].append(ms)
+        cell: dict[str, object] = {"samples_ms": samples}
+        for name in names:
+            cell[f"{name}_ms"] = statistics.median(samples[name])
+        for name in ("tiles", "rows"):
+            ratios = [a / g for a, g in zip(samples[name], samples["gemm"], strict=True)]
+            cell[f"{name}_over_gemm"] = statistics.median(ratios)
+            cell[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
+        out[str(rows)] = cell
+    return {"matrices": len(weights), "rows": out}
+
+
+def bench_warm(engine, repeats: int) -> dict:
+    ours = Ours(engine)
+    prefix = corpus_ids(engine, PREFIX)
+    suffixes = [corpus_ids(engine, SUFFIX, PREFIX + SUFFIX * i) for i in range(2 * repeats + 3)]
+    ours.scope = fresh_scope()
+    ours.run_one(prefix + suffixes[0], 1, ours.scope)  # the prefix, cached
+    settings = {"gemm": quant.BLOCK_KERNEL_MAX_ROWS, "tiles": quant.TILE_KERNEL_MAX_ROWS}
+    samples: dict[str, list[float]] = {name: [] for name in settings}
+    saved, used = quant.TILE_KERNEL_MAX_ROWS, 1
+    try:
+        for r in range(repeats + 1):
+            order = ("tiles", "gemm") if r % 2 else ("gemm", "tiles")
+            for name in order:
+                quant.TILE_KERNEL_MAX_ROWS = settings[name]
+                result = ours.run_one(prefix + suffixes[used], 1, ours.scope)
+                used += 1
+                if result.cached_tokens < PREFIX - engine.runner.block_size:
+                    raise RuntimeError(f"the prefix was not reused: {result.cached_tokens}")
+                if r:
+                    samples[name].append(1000 * result.ttft_s)
+    finally:
+        quant.TILE_KERNEL_MAX_ROWS = saved
+    ratios = [t / g for t, g in zip(samples["tiles"], samples["gemm"], strict=True)]
+    return {
+        "prefix_tokens": PREFIX,
+        "new_tokens": SUFFIX,
+        "samples_ms": samples,
+        "tiles_ms": statistics.median(samples["tiles"]),
+        "gemm_ms": statistics.median(samples["gemm"]),
+        "tiles_over_gemm": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [int(r) for r in result["matmuls"]["rows"]]
+    cells = result["matmuls"]["rows"].values()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rows, [c["gemm_ms"] for c in cells], "o-", label="GEMM over the dequantized matrix")
+    ax.plot(rows, [c["tiles_ms"] for c in cells], "o-", label="block kernel, tiles")
+    ax.plot(rows, [c["rows_ms"] for c in cells], "o--", label="block kernel, row loop")
+    ax.axvline(quant.TILE_KERNEL_MAX_ROWS, color="grey", ls=":", label="TILE_KERNEL_MAX_ROWS")
+    ax.set_xlabel("rows of x (new prompt tokens)")
+    ax.set_ylabel(f"ms for the model's {result['matmuls']['matrices']} layer matrices")
+    ax.set_title(f"prefill matmuls, {result['threads']} threads (medians)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", type=Path, default=RESULTS / "prefill_matmul_bench.json")
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    if not tile_min_rows():
+        print("this build has no block tiles (they need AVX-512): nothing to compare")
+        sys.exit(0)
+    settings = get_settings()
+    config = EngineConfig(
+        model=str(packaged_llm_path()),
+        cache_dir=str(settings.cache_dir / "models"),
+        kv_cache_gb=0.5,
+        max_num_batched_tokens=4096,
+    )
+    engine = build_engine(config, "gguf", "auto")
+    result = {
+        "model": config.model,
+        "cpu": cpu_info(),
+        "threads": args.threads,
+        "tile_kernel_max_rows": quant.TILE_KERNEL_MAX_ROWS,
+        "matmuls": bench_matmuls(engine, args.repeats),
+        "warm_ttft": bench_warm(engine, args.repeats),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(
+        f"{'rows':>5} {'GEMM ms':>9} {'tiles ms':>9} {'row loop':>9} {'tiles/GEMM':>11} "
+        f"{'per repeat':>13} {'loop/GEMM':>10}"
+    )
+    for rows, cell in result["matmuls"]["rows"].items():
+        lo, hi = cell["tiles_ratio_range"]
+        print(
+            f"{rows:>5} {cell['gemm_ms']:9.1f} {cell['tiles_ms']:9.1f} {cell['rows_ms']:9.1f} "
+            f"{cell['tiles_over_gemm']:11.3f} {lo:6.3f}-{hi:.3f} {cell['rows_over_gemm']:10.3f}"
+        )
+    warm = result["warm_ttft"]
+    lo, hi = warm["ratio_range"]
+    print(
+        f"warm TTFT, {PREFIX} cached + {SUFFIX} new: GEMM {warm['gemm_ms']:.1f} ms, tiles "
+        f"{warm['tiles_ms']:.1f} ms, tiles/GEMM {warm['tiles_over_gemm']:.3f} ({lo:.3f}-{hi:.3f})"
+    )
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
