@@ -16,7 +16,8 @@ once at load (engine/packed_gemm.py), which every prefill of more than 16 rows t
 
 Writes JSON and a PNG, and prints a summary::
 
-    python -m bench.prefill_matmul_bench [--threads 2] [--repeats 9] [--out PATH.json]
+    python -m bench.prefill_matmul_bench [--threads 2] [--repeats 9] [--rows 16,32,...]
+        [--out PATH.json]
 """
 
 from __future__ import annotations
@@ -92,11 +93,11 @@ def gemm(x, block, dense):
 KERNELS = {"gemm": gemm, "tiles": tiles, "rows": row_loop}
 
 
-def bench_matmuls(engine, repeats: int) -> dict:
+def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
     weights = layer_weights(engine)
     gen = torch.Generator().manual_seed(0)
     out = {}
-    for rows in ROWS:
+    for rows in row_counts:
         xs = [torch.randn(rows, block.shape[1], generator=gen) for block, _ in weights]
         # the same products (up to summation order), so a timing is never of a wrong kernel
         for (block, dense), x in list(zip(weights, xs, strict=True))[:4]:
@@ -181,6 +182,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--rows", default=",".join(map(str, ROWS)), help="comma-separated rows of x to time"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill_matmul_bench.json")
     args = parser.parse_args()
     pin_threads(args.threads)
@@ -200,7 +204,7 @@ def main() -> None:
         "cpu": cpu_info(),
         "threads": args.threads,
         "tile_kernel_max_rows": quant.TILE_KERNEL_MAX_ROWS,
-        "matmuls": bench_matmuls(engine, args.repeats),
+        "matmuls": bench_matmuls(engine, args.repeats, tuple(int(r) for r in args.rows.split(","))),
         "warm_ttft": bench_warm(engine, args.repeats),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
