@@ -126,7 +126,9 @@ def linear(
     kernel's C loop over the float32 rows (kernels/block_quant_matmul.py's fixed_order_matmul):
     it streams each weight row once at memory speed, where MKL's GEMV and small GEMM run at a
     third to a half of it on this path (bench/engine_bench.py's fp32 side). Past that many rows
-    prefill is compute-bound and MKL's GEMM wins, as for block weights."""
+    prefill is compute-bound and MKL's GEMM wins, as for block weights past
+    TILE_KERNEL_MAX_ROWS (up to it, on builds with the block kernel's tiles, they keep the block
+    kernel and a decode step's bits)."""
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
         if rows <= BLOCK_KERNEL_MAX_ROWS:
