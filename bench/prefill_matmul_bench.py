@@ -60,15 +60,11 @@ NO_TILES = (*DEFAULT_FLAGS, "-DTILE_MIN_ROWS=1000000")
 def layer_weights(engine) -> list[tuple[BlockQuantWeight, object]]:
     """Each layer matrix, with the packed float32 matrix prefill's GEMM reads."""
     vocab = engine.runner.model.config.vocab_size
-    pairs = []
-    for module in engine.runner.model.modules():
-        for value in vars(module).values():
-            if isinstance(value, BlockQuantWeight) and value.shape[0] != vocab:
-                dense = value.dense
-                if dense is None:
-                    dense = pack_weight(block_quant_dequantize(value))
-                pairs.append((value, dense))
-    return pairs
+    return [
+        (w, w.dense if w.dense is not None else pack_weight(block_quant_dequantize(w)))
+        for w in quant._block_weights(engine.runner.model)
+        if w.shape[0] != vocab
+    ]
 
 
 def sweep_ms(run, weights, xs) -> float:
