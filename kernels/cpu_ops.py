@@ -336,20 +336,16 @@ def paged_extend_attention(
     return out
 
 
-# Past this many rows torch's vectorized exp beats the C loop's scalar expf.
-SILU_MUL_MAX_ROWS = 16
-
-
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2 * I] (gate columns first) -> [T, I]; the C loop for
-    up to SILU_MUL_MAX_ROWS rows (decode), torch past that (prefill)."""
+    """silu(gate) * up for gate_up [T, 2 * I] (gate columns first) -> [T, I], in the C loop at
+    every T: its vector exponential (csrc/fast_exp.h) took 24 us at 32 rows of SmolLM2's 1,536
+    columns and 1.2 ms at 2,080, where ``F.silu(gate) * up`` took 40 us and 2.2 ms (2 threads,
+    2-core Xeon)."""
     check_rank("gate_up", gate_up, 2)
     _f32("gate_up", gate_up)
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up needs an even width, got {gate_up.shape[1]}")
     inter = gate_up.shape[1] // 2
-    if gate_up.shape[0] > SILU_MUL_MAX_ROWS:
-        return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     gate_up = gate_up.contiguous()
     out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)
     if gate_up.shape[0]:

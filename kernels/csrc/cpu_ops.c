@@ -234,6 +234,6 @@ void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
     for (int64_t t = 0; t < tokens; t++) {
         const float *g = gate_up + t * 2 * inter, *u = g + inter;
         float *o = out + t * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        silu_mul_span(g, u, o, inter);
     }
 }

@@ -207,12 +207,15 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
             }
             matmul_for(sh, &ly->gate_up, sc->h, q, sc->gate_up, rows, 2 * sh->inter, hidden, w);
             const int64_t inter = sh->inter;
-            /* element by element, not row by row: at batch 1 one thread ran all the row's expf
-             * calls while the others waited at the barrier */
+            /* span by span, not row by row: at batch 1 one thread ran the whole row while the
+             * others waited at the barrier */
+            const int64_t spans = (inter + SILU_SPAN - 1) / SILU_SPAN;
 #pragma omp for schedule(static)
-            for (int64_t e = 0; e < rows * inter; e++) {
-                const float *g = sc->gate_up + (e / inter) * 2 * inter + e % inter;
-                sc->act[e] = g[0] / (1.0f + expf(-g[0])) * g[inter];
+            for (int64_t e = 0; e < rows * spans; e++) {
+                const int64_t r = e / spans, at = (e % spans) * SILU_SPAN;
+                const float *g = sc->gate_up + r * 2 * inter + at;
+                silu_mul_span(g, g + inter, sc->act + r * inter + at,
+                              inter - at < SILU_SPAN ? inter - at : SILU_SPAN);
             }
             if (sh->act_q8) {
                 /* block by block: at batch 1 a row per thread left the others waiting */

@@ -11,6 +11,7 @@ from prefixrag.kernels.paged_decode import paged_decode_attention_reference
 from prefixrag.kernels.rms_norm import rms_norm_reference
 from prefixrag.kernels.rope import apply_rope_reference_
 from tests.kernels.paged_batch import assert_close, make_paged_batch, naive_attention
+from tests.kernels.test_block_quant_matmul import ALL_FLAGS
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -146,6 +147,21 @@ def test_silu_mul_matches_torch(rows):
     torch.testing.assert_close(
         cpu_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("path", list(ALL_FLAGS))
+def test_silu_mul_on_every_path_matches_float64(path, monkeypatch):
+    # 53 columns: the AVX-512 loop, AVX2's, and the scalar tail of each; gates far past the
+    # exponential's clamp on both sides, and exact zeros
+    lib = cpu_ops.build(ALL_FLAGS[path])
+    monkeypatch.setattr(cpu_ops, "build", lambda: lib)
+    gen = torch.Generator().manual_seed(5)
+    gate = torch.randn(3, 53, generator=gen) * torch.tensor([1.0, 8.0, 60.0]).unsqueeze(1)
+    gate[0, :4] = torch.tensor([0.0, -0.0, 120.0, -120.0])
+    up = torch.randn(3, 53, generator=gen)
+    out = cpu_ops.silu_mul(torch.cat([gate, up], dim=1))
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-30, rtol=3e-7)
 
 
 @pytest.mark.parametrize(
