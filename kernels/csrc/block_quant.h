@@ -283,15 +283,24 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
  * AVX2 two rows fill the registers and each weight vector is loaded once per two rows; here
  * a slot's R accumulators, the weight vector and x fit, each weight vector is loaded once for
  * R rows, and a load feeds about one FMA (the fixed order costs nothing at a batch of 8).
- * With fewer than SLOT_MIN_ROWS rows its R dependent chains would wait on the FMA latency. */
-#define SLOT_ROWS 8
+ * With fewer than SLOT_MIN_ROWS rows its R dependent chains would wait on the FMA latency.
+ * SLOT_PASS slots run together in a pass over the row; the settings may be set at build time
+ * (-D), to compare builds in one engine (bench/kernel_flags_ab.py). */
 #define SLOT_MIN_ROWS 4
 #if defined(__AVX512F__)
-/* Two slots a pass where 32 registers hold their 16 accumulators: a pass then reads 128
- * contiguous bytes of every 256 of the row, not 64, and the next rows are prefetched two
- * ahead into L2 (measured over a float32 SmolLM2-135M's matrices at 8 rows, 2 threads, on a
- * 2-core Xeon: 34.3 -> 29.6 ms, same bits; one slot a pass overflows AVX2's 16 registers). */
-#define SLOT_PASS 2
+/* All four slots a pass, four rows a group: a pass reads the weight row front to back, as the
+ * hardware prefetcher expects, and a batch of 8 reads each row twice, the second time from L1.
+ * Two slots a pass over 8 rows read 128 bytes of every 256, in strides the prefetcher does not
+ * follow, and the two passes' x (8 rows) strained L1 at K = 1,536. A float32 SmolLM2-135M at
+ * batch 8, 2 threads, 2-core Xeon, interleaved builds in one engine: 4.2% more tok/s (faster
+ * in 12 of 13 repeats; two more runs: 6.5%, 7 of 7, and -1.3%, 3 of 7). Before, two slots a
+ * pass had beaten one (34.3 -> 29.6 ms over the model's matrices at 8 rows). */
+#ifndef SLOT_ROWS
+#define SLOT_ROWS 4
+#endif
+#ifndef SLOT_PASS
+#define SLOT_PASS 4
+#endif
 /* the prefetch settings here may be set at build time (-D), to compare builds of the kernels in
  * one engine: bench/kernel_flags_ab.py */
 #ifndef SLOT_PREFETCH_ROWS
@@ -311,6 +320,8 @@ static ALWAYS_INLINE void dot_rows(int kind, const float *x, int64_t k, const vo
 #define BLOCK_PREFETCH_ROWS 8
 #endif
 #else
+/* one slot a pass: two would overflow AVX2's 16 registers */
+#define SLOT_ROWS 8
 #define SLOT_PASS 1
 #define SLOT_PREFETCH_ROWS 1
 #define SLOT_PREFETCH_HINT 3
@@ -327,18 +338,22 @@ static ALWAYS_INLINE void dot_rows_f32_slots(const float *x, int64_t k, const fl
         vec acc[SLOT_PASS][SLOT_ROWS];
         for (int s = 0; s < SLOT_PASS; s++)
             for (int r = 0; r < R; r++) acc[s][r] = vzero();
-        /* an odd last block feeds slots a < NACC / 2, which a pass never straddles */
-        const int64_t end = rounds + (half && a < NACC / 2);
+        /* an odd last block (a half round) feeds slots a < NACC / 2 only */
+        const int64_t end = rounds + half;
         for (int64_t i = 0; i < end; i++) {
             const int64_t at = i * NUM_PARTIALS + LANES * a;
             if (ahead && a == 0) /* round i of that row, a 64-byte line (16 floats) at a time */
                 for (int64_t l = i * NUM_PARTIALS; l < (i + 1) * NUM_PARTIALS && l < k; l += 16)
                     __builtin_prefetch(ahead + l, 0, SLOT_PREFETCH_HINT);
+            const int live = i < rounds ? SLOT_PASS : NACC / 2 - a;
+            if (live <= 0) break;
             vec wv[SLOT_PASS];
-            for (int s = 0; s < SLOT_PASS; s++) wv[s] = vload(w + at + LANES * s);
+            for (int s = 0; s < SLOT_PASS; s++)
+                if (s < live) wv[s] = vload(w + at + LANES * s);
             for (int r = 0; r < R; r++)
                 for (int s = 0; s < SLOT_PASS; s++)
-                    acc[s][r] = vfma(vload(x + r * k + at + LANES * s), wv[s], acc[s][r]);
+                    if (s < live)
+                        acc[s][r] = vfma(vload(x + r * k + at + LANES * s), wv[s], acc[s][r]);
         }
         for (int s = 0; s < SLOT_PASS; s++)
             for (int r = 0; r < R; r++) part[r][a + s] = acc[s][r];
@@ -349,10 +364,12 @@ static ALWAYS_INLINE void dot_rows_f32_slots(const float *x, int64_t k, const fl
 static ALWAYS_INLINE void dot_rows_f32_kind(const float *x, int64_t k, const float *w, int rows,
                                             float *res, const float *ahead) {
     switch (rows) { /* a constant R: the accumulators stay in registers */
+#if SLOT_ROWS > 4
     case 4: dot_rows_f32_slots(x, k, w, 4, res, ahead); break;
     case 5: dot_rows_f32_slots(x, k, w, 5, res, ahead); break;
     case 6: dot_rows_f32_slots(x, k, w, 6, res, ahead); break;
     case 7: dot_rows_f32_slots(x, k, w, 7, res, ahead); break;
+#endif
     default: dot_rows_f32_slots(x, k, w, SLOT_ROWS, res, ahead); break;
     }
 }

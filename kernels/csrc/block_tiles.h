@@ -1,11 +1,11 @@
 /* Prefill-sized block matmuls (tens of rows of x: a new question after cached documents) in
  * the block kernel's fixed order (block_quant.h), bit for bit.
  *
- * bq_matmul_for reads each weight row once for every GROUP (4) or SLOT_ROWS (8) rows of x and
- * unpacks its blocks again for each such group; a load feeds about one fused multiply-add. At 32
- * rows that ran at a third of this host's float32 peak, no faster than oneDNN's GEMM over the
- * dequantized matrix, which prefills of more than 16 rows took, and which at so few rows is
- * bound by streaming that float32 matrix (5x the block bytes).
+ * bq_matmul_for reads each weight row once for every GROUP (4) rows of x (SLOT_ROWS for float32
+ * rows) and unpacks its blocks again for each such group; a load feeds about one fused
+ * multiply-add. At 32 rows that ran at a third of this host's float32 peak, no faster than
+ * oneDNN's GEMM over the dequantized matrix, which prefills of more than 16 rows took, and which
+ * at so few rows is bound by streaming that float32 matrix (5x the block bytes).
  *
  * Here TILE_M rows of x meet TILE_N weight rows at a time: TILE_M x TILE_N accumulators of one
  * slot (lanes LANES * a .. of every 64 elements, as dot_rows_f32_slots) fill the registers, and

@@ -175,9 +175,10 @@ def test_matmul_is_the_fixed_order_dot_over_the_dequantized_rows(flags, gguf_typ
 @BUILDS
 @pytest.mark.parametrize("k", [576, 1504])
 def test_float32_rows_get_the_same_bits_in_any_batch(flags, k):
-    # fixed_order_matmul runs 4 to 8 rows a weight row's accumulator at a time (the float32
-    # decode of a batch), fewer rows the block kernel's way: every batch size gives a row the
-    # bits it gets alone, for a whole number of rounds and a half one (1504 = 47 blocks)
+    # fixed_order_matmul runs 4 (AVX-512) or up to 8 (AVX2) rows a weight row's accumulators at a
+    # time (the float32 decode of a batch), fewer rows the block kernel's way: every batch size
+    # gives a row the bits it gets alone, for a whole number of rounds and a half one (1504 = 47
+    # blocks)
     n = 41
     gen = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=gen)
