@@ -153,7 +153,7 @@ def test_a_burst_bigger_than_the_kv_pool_queues_preempts_and_finishes(request, e
     small = AsyncEngine(
         make_engine(request, num_kv_blocks=10, max_num_seqs=8, enable_prefix_cache=False)
     )
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = [f"{p} (variant {i})" for i in range(3) for p in PROMPTS[:4]]
 
     async def main():
@@ -166,9 +166,22 @@ def test_a_burst_bigger_than_the_kv_pool_queues_preempts_and_finishes(request, e
         reference, burst, stats = asyncio.run(main())
     finally:
         small.shutdown()
+    # A recomputed sequence's generated tokens are prefilled again, in prefill's arithmetic (a
+    # GEMM past 32 rows, and their K/V rounded to float16 from other bits) where they were
+    # decoded before: its greedy tokens may part only at a near tie of the reference's top two,
+    # and then to the reference's second choice. A lost or misplaced block parts them anywhere.
+    same = 0
     for (_, expected), (text, got) in zip(reference, burst, strict=True):
-        assert got.finish_reason == "length" and got.token_ids == expected.token_ids
+        assert got.finish_reason == "length" and len(got.token_ids) == 40
         assert text == got.text
+        pairs = zip(expected.token_ids, got.token_ids, strict=True)
+        part = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if part is None:
+            same += 1
+            continue
+        (_, lp_first), (second, lp_second) = expected.logprobs[part].top
+        assert lp_first - lp_second < 0.01 and got.token_ids[part] == second, part
+    assert same >= len(prompts) - 2
     assert stats["num_preemptions"] > 0  # the pool really ran out and requests were recomputed
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["blocks_used"] == 0  # every block came back
