@@ -97,13 +97,16 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
     if (!off) return -3;
     const int64_t total = split_offsets(row_lens, num_rows, split_len, off);
     const int64_t part_size = group * partial_width(d); /* floats per (split, kv head) */
-    float *parts = malloc((size_t)(total * hkv * part_size) * sizeof(float));
+    /* the partials, then each thread's running sums (attend_range) */
+    const int64_t run = run_floats(hq, d), part_floats = total * hkv * part_size;
+    float *parts = alloc_parts(part_floats, run);
     if (!parts) {
         free(off);
         return -3;
     }
 #pragma omp parallel
     {
+        float *own = thread_run(parts, part_floats, run);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < total; u++) {
             /* one task per split, every kv head; a row's partials are kept kv head by kv head,
@@ -113,7 +116,7 @@ int paged_attention(const float *q, int64_t q_stride, const void *k_cache, const
             const int64_t begin = s * split_len;
             const int64_t end = begin + split_len < row_lens[i] ? begin + split_len : row_lens[i];
             attend_range(q + row_ids[i] * q_stride, hq, k_cache, v_cache, kv_kind, hkv, d, bs,
-                         block_tables + (int64_t)row_seqs[i] * max_blocks, begin, end, scale,
+                         block_tables + (int64_t)row_seqs[i] * max_blocks, begin, end, scale, own,
                          parts + (off[i] * hkv + s) * part_size, splits * part_size);
         }
 #pragma omp for schedule(static)
@@ -181,8 +184,10 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
     int failed = !parts;
 #pragma omp parallel if (!failed)
     {
-        /* per thread: the chunk's transposed keys, widened values and widened keys */
-        float *scratch = failed ? NULL : malloc((size_t)(3 * d * EXT_KEYS) * sizeof(float));
+        /* per thread: the chunk's transposed keys, widened values and widened keys, then
+         * the task's running sums */
+        const int64_t chunk_floats = 3 * d * EXT_KEYS, sums = EXT_ROWS * group * pw;
+        float *scratch = failed ? NULL : malloc((size_t)(chunk_floats + sums) * sizeof(float));
         const float *q_rows[EXT_ROWS];
         if (!scratch) {
 #pragma omp atomic write
@@ -207,7 +212,7 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
             extend_task(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
                         (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
                         block_tables + e * max_blocks, scale, scratch,
-                        scratch + d * EXT_KEYS, scratch + 2 * d * EXT_KEYS,
+                        scratch + d * EXT_KEYS, scratch + 2 * d * EXT_KEYS, scratch + chunk_floats,
                         parts + tl->part + (g * rows * tl->splits + s) * group * pw, stride);
         }
         free(scratch);

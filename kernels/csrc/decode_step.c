@@ -83,14 +83,14 @@ static void place_qkv(const decode_shape *sh, const decode_layer *ly, float *qkv
  * every kv head; each head's partial goes beside that head's other splits. */
 static void attend_task(const decode_shape *sh, const decode_layer *ly, const float *qkv,
                         const int64_t *off, int64_t rows, const int32_t *block_tables,
-                        const int32_t *seq_lens, float *parts, int64_t u) {
+                        const int32_t *seq_lens, float *parts, float *run, int64_t u) {
     const int64_t d = sh->head_dim, hkv = sh->kv_heads, group = sh->heads / hkv;
     const int64_t width = (sh->heads + 2 * hkv) * d, part_size = group * partial_width(d);
     const int64_t b = split_row(off, rows, u), s = u - off[b], splits = off[b + 1] - off[b];
     const int64_t begin = s * sh->split_len;
     const int64_t end = begin + sh->split_len < seq_lens[b] ? begin + sh->split_len : seq_lens[b];
     attend_range(qkv + b * width, sh->heads, ly->k_cache, ly->v_cache, sh->kv_kind, hkv, d,
-                 sh->bs, block_tables + b * sh->max_blocks, begin, end, sh->scale,
+                 sh->bs, block_tables + b * sh->max_blocks, begin, end, sh->scale, run,
                  parts + (off[b] * hkv + s) * part_size, splits * part_size);
 }
 
@@ -162,7 +162,9 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
     const int64_t qkv_width = (hq + 2 * hkv) * d;
     int64_t off[MAX_ROWS + 1];
     const int64_t num_tasks = split_offsets(seq_lens, rows, sh->split_len, off);
-    float *parts = malloc((size_t)(num_tasks * hq * partial_width(d)) * sizeof(float));
+    /* the partials, then each thread's running sums (attend_range) */
+    const int64_t part_floats = num_tasks * hq * partial_width(d), run = run_floats(hq, d);
+    float *parts = alloc_parts(part_floats, run);
     /* int8 activation rows, each laid out for the K of the matmul at hand */
     const int64_t kmax = hidden > hq * d ? (hidden > sh->inter ? hidden : sh->inter)
                                          : (hq * d > sh->inter ? hq * d : sh->inter);
@@ -177,6 +179,7 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
+        float *own = thread_run(parts, part_floats, run);
         for (int64_t i = 0; i < num_layers; i++) {
             const decode_layer *ly = layers + i;
 #pragma omp single
@@ -189,7 +192,7 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
             place_qkv(sh, ly, sc->qkv, rows, positions, slots, cos_sin);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < num_tasks; t++)
-                attend_task(sh, ly, sc->qkv, off, rows, block_tables, seq_lens, parts, t);
+                attend_task(sh, ly, sc->qkv, off, rows, block_tables, seq_lens, parts, own, t);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < rows * hkv; t++) merge_task(sh, off, parts, sc->attn, t);
             if (sh->act_q8) {

@@ -272,20 +272,25 @@ static inline float scale_max(float *sc, int64_t n, float scale, float mx) {
  * row r leaves its partial at part + (r - r0) * part_row_stride + h * (d + 2): the
  * unnormalized sum of values [d], then the running max m and sum l (m = -inf, l = 0 if it sees
  * none of the range); merge_splits (paged_attention.h) finishes it. kt, vt and kr are
- * scratch of d * EXT_KEYS floats each. */
+ * scratch of d * EXT_KEYS floats each, run of EXT_ROWS * MAX_GROUP * (d + 2).
+ *
+ * The sums run in run, the thread's own, and reach part once, at the end: part interleaves the
+ * splits of a row, so two threads on neighbouring splits would share the cache lines at their
+ * edges, and every chunk's loads and stores of the sums passed those lines between the cores
+ * (2 threads ran an extend of 32 rows after 2,048 positions 1.36x as fast as one). */
 static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r1,
                                int64_t prefix, int64_t g, int64_t group, int64_t begin,
                                int64_t end, const void *k_cache, const void *v_cache,
                                int32_t kind, int64_t hkv, int64_t d, int64_t bs,
                                const int32_t *table, float scale, float *kt, float *vt,
-                               float *kr, float *part, int64_t part_row_stride) {
+                               float *kr, float *run, float *part, int64_t part_row_stride) {
     const int64_t row = hkv * d, nq = (r1 - r0) * group, pw = partial_width(d);
     const float *qv[EXT_ROWS * MAX_GROUP];
     float *acc[EXT_ROWS * MAX_GROUP];
     int64_t last[EXT_ROWS * MAX_GROUP]; /* the last position each query vector sees */
     for (int64_t v = 0; v < nq; v++) {
         qv[v] = q_rows[v / group] + (g * group + v % group) * d;
-        acc[v] = part + v / group * part_row_stride + v % group * pw;
+        acc[v] = run + v * pw;
         last[v] = prefix + r0 + v / group;
         float *a = acc[v];
         memset(a, 0, (size_t)d * sizeof(float));
@@ -358,6 +363,9 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
             }
         }
     }
+    for (int64_t v = 0; v < nq; v++)
+        memcpy(part + v / group * part_row_stride + v % group * pw, acc[v],
+               (size_t)pw * sizeof(float));
 }
 
 #endif

@@ -13,7 +13,9 @@
 #ifndef PREFIXRAG_PAGED_ATTENTION_H
 #define PREFIXRAG_PAGED_ATTENTION_H
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fast_exp.h"
@@ -30,6 +32,24 @@
 
 /* floats of one head's partial: acc [d], then m and l */
 static inline int64_t partial_width(int64_t d) { return d + 2; }
+
+/* floats of a thread's running sums in attend_range (hq partials), in whole cache lines so
+ * that two threads' sums never share one */
+static inline int64_t run_floats(int64_t hq, int64_t d) {
+    return (hq * partial_width(d) + 15) / 16 * 16;
+}
+
+/* part_floats of partials, then run floats for each thread of a parallel region, thread t's at
+ * part_floats + t * run; 64-byte aligned (NULL if memory could not be had) */
+static inline float *alloc_parts(int64_t part_floats, int64_t run) {
+    const int64_t floats = (part_floats + 15) / 16 * 16 + omp_get_max_threads() * run;
+    return aligned_alloc(64, (size_t)floats * sizeof(float));
+}
+
+/* thread t's running sums in an alloc_parts buffer */
+static inline float *thread_run(float *parts, int64_t part_floats, int64_t run) {
+    return parts + (part_floats + 15) / 16 * 16 + omp_get_thread_num() * run;
+}
 
 static inline int64_t num_splits(int64_t len, int64_t split_len) {
     return (len + split_len - 1) / split_len;
@@ -174,7 +194,10 @@ static inline int64_t chunk_len(int64_t row) {
 
 /* Positions [begin, end) of one sequence for its query q [hq, d] (contiguous), every kv head;
  * caches [num_blocks, bs, hkv, d] of `kind`. The partial of query head h of kv head g goes to
- * part + g * head_stride + h' * (d + 2), h' = h - g * group.
+ * part + g * head_stride + h' * (d + 2), h' = h - g * group. The sums run in run (hq * (d + 2)
+ * floats, the thread's own) and reach part at the end: part holds a row's splits side by side,
+ * and threads on neighbouring splits would otherwise pass the cache lines at their edges
+ * between the cores on every chunk.
  *
  * A chunk of positions at a time, whole cache slots (every kv head's row) at once: within a
  * block they lie end to end, so memory streams, where reading one kv head's rows alone touches
@@ -185,14 +208,14 @@ static inline int64_t chunk_len(int64_t row) {
 static inline void attend_range(const float *q, int64_t hq, const void *k_cache,
                                 const void *v_cache, int32_t kind, int64_t hkv, int64_t d,
                                 int64_t bs, const int32_t *table, int64_t begin, int64_t end,
-                                float scale, float *part, int64_t head_stride) {
+                                float scale, float *run, float *part, int64_t head_stride) {
     const int64_t row = hkv * d, group = hq / hkv, pw = partial_width(d), chunk = chunk_len(row);
     _Alignas(64) float k_tile[TILE], v_tile[TILE];
     float sc[CHUNK];
     const float *k_rows[CHUNK], *v_rows[CHUNK];
     for (int64_t g = 0; g < hkv; g++)
         for (int64_t h = 0; h < group; h++) {
-            float *a = part + g * head_stride + h * pw; /* acc [d], then m, l */
+            float *a = run + (g * group + h) * pw; /* acc [d], then m, l */
             memset(a, 0, (size_t)d * sizeof(float));
             a[d] = -INFINITY;
             a[d + 1] = 0.0f;
@@ -209,7 +232,7 @@ static inline void attend_range(const float *q, int64_t hq, const void *k_cache,
         for (int64_t g = 0; g < hkv; g++)
             for (int64_t h = 0; h < group; h++) {
                 const float *qh = q + (g * group + h) * d;
-                float *a = part + g * head_stride + h * pw, mx = a[d];
+                float *a = run + (g * group + h) * pw, mx = a[d];
                 for (int64_t i = 0; i < n; i++) {
                     sc[i] = row_dot(qh, k_rows[i] + g * d, d) * scale;
                     mx = sc[i] > mx ? sc[i] : mx;
@@ -221,6 +244,8 @@ static inline void attend_range(const float *q, int64_t hq, const void *k_cache,
                 add_weighted_rows(a, sc, v_rows, g * d, n, d);
             }
     }
+    for (int64_t g = 0; g < hkv; g++)
+        memcpy(part + g * head_stride, run + g * group * pw, (size_t)(group * pw) * sizeof(float));
 }
 
 /* parts: [splits][group][d + 2] of one (row, kv head), merged in split order into out
