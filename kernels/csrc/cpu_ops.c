@@ -170,12 +170,13 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
     } tile_t;
     tile_t *tiles = malloc((size_t)num_tiles * sizeof(tile_t));
     if (!tiles) return -3;
-    int64_t t = 0, tasks = 0, floats = 0;
+    int64_t t = 0, tasks = 0, floats = 0, max_nq = 0;
     for (int64_t e = 0; e < num_ext; e++)
         for (int64_t r0 = 0; r0 < ext_lens[e]; r0 += EXT_ROWS, t++) {
             const int64_t r1 = r0 + EXT_ROWS < ext_lens[e] ? r0 + EXT_ROWS : ext_lens[e];
             const int64_t splits = (prefix_lens[e] + r1 + EXT_SPLIT - 1) / EXT_SPLIT;
             tiles[t] = (tile_t){e, r0, r1, splits, tasks, floats};
+            max_nq = (r1 - r0) * group > max_nq ? (r1 - r0) * group : max_nq;
             tasks += hkv * splits;
             /* partials [kv head][row][split][group][d + 2], the layout merge_splits reads */
             floats += hkv * (r1 - r0) * splits * group * pw;
@@ -184,10 +185,9 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
     int failed = !parts;
 #pragma omp parallel if (!failed)
     {
-        /* per thread: the chunk's transposed keys, widened values and widened keys, then
-         * the task's running sums */
-        const int64_t chunk_floats = 3 * d * EXT_KEYS, sums = EXT_ROWS * group * pw;
-        float *scratch = failed ? NULL : malloc((size_t)(chunk_floats + sums) * sizeof(float));
+        /* per thread: extend_task's scratch for the largest tile */
+        float *scratch =
+            failed ? NULL : malloc((size_t)ext_scratch_floats(max_nq, d) * sizeof(float));
         const float *q_rows[EXT_ROWS];
         if (!scratch) {
 #pragma omp atomic write
@@ -212,7 +212,6 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
             extend_task(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
                         (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
                         block_tables + e * max_blocks, scale, scratch,
-                        scratch + d * EXT_KEYS, scratch + 2 * d * EXT_KEYS, scratch + chunk_floats,
                         parts + tl->part + (g * rows * tl->splits + s) * group * pw, stride);
         }
         free(scratch);

@@ -3,12 +3,13 @@
  *
  * The per-row kernel (paged_attention.h) widens and reads every cached position once per query
  * row, with a horizontal sum per score. Here a tile of up to EXT_ROWS rows of one kv head's
- * query group shares each chunk of EXT_KEYS positions: the chunk's keys are widened once, laid
- * out transposed (dim-major), and scored against four query vectors at a time with the scores
- * themselves in vector registers (two at a time on AVX2), so a score costs d fused
- * multiply-adds and no reduction.
- * Values are summed with the query's accumulator in registers (add_weighted_rows). Softmax
- * runs online, chunk by chunk, in float32.
+ * query group shares each chunk of EXT_KEYS positions, widened once. The queries are laid out
+ * dim-major, one lane per query vector, and each key element is broadcast against them, so a
+ * score costs d fused multiply-adds, no reduction, and the keys no transposing. The softmax
+ * then runs across the lanes too: a chunk's max, exponentials and sums of 16 query vectors at
+ * once, with no horizontal max or sum. Values are summed with six query vectors'
+ * accumulators in registers (add_weighted_rows_quad). Softmax runs online, chunk by chunk, in
+ * float32.
  *
  * A task is (tile, kv head, split of EXT_SPLIT positions): a short extend over a long prefix
  * still gives every thread work, as flash-decoding does, and each split's partial is merged
@@ -25,18 +26,16 @@
 #include "kv_rows.h"
 #include "paged_attention.h"
 
-#if defined(__SSE__)
-#include <xmmintrin.h>
+#ifndef ALWAYS_INLINE
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 #endif
 
-#define EXT_KEYS 32 /* positions per chunk: two AVX-512 vectors of scores */
+#define EXT_KEYS 32 /* positions per chunk */
 #define EXT_ROWS 32 /* query rows per tile (each with the group's heads) */
-/* query vectors scored together: on AVX-512 their 2 x EXT_QUAD score accumulators and
- * 4 x EXT_QUAD value accumulators must fit 32 registers beside a key or value row. Six, not
- * four: score_quad's 8 chains of fused multiply-adds were at the FMA latency's limit (each
- * vector's sums are the same either way). SmolLM2-135M's shape, 32 rows over 2,048 cached
- * float16 positions, 2 threads, builds interleaved on a 2-core Xeon: 1,599 -> 1,512 us a layer,
- * and 3% to 6% in three more runs; eight was no faster than four. */
+/* query vectors whose values are summed together: on AVX-512 their 4 x EXT_QUAD accumulators
+ * must fit 32 registers beside a value row. Six, not four: each value row is then loaded once
+ * for six vectors (SmolLM2-135M's shape, 32 rows over 2,048 cached float16 positions, 2
+ * threads, 2-core Xeon: 1,599 -> 1,512 us a layer); eight was no faster than four. */
 #ifndef EXT_QUAD
 #if defined(__AVX512F__)
 #define EXT_QUAD 6
@@ -47,68 +46,107 @@
 #define EXT_SPLIT 512 /* positions per task: a split's partials are merged as in decode */
 /* A query vector's running max moves only when a chunk's max passes it by more than this
  * (natural-log units): the terms then stay at most e^8 (about 3,000), far from float32's
- * range, and most chunks skip the rescale of the accumulator and its expf, a fifth of the
- * softmax's cost, as FlashAttention-4 does. merge_splits takes any reference max. */
+ * range, and most chunks skip the rescale of the accumulator and its expf, as
+ * FlashAttention-4 does. merge_splits takes any reference max. */
 #define EXT_SLACK 8.0f
 
-/* s[v][i] = q_v . kt[:, i] for v < EXT_QUAD, i < EXT_KEYS; kt is [d][EXT_KEYS] */
-static inline void score_quad(const float *const *q, const float *kt, int64_t d,
-                              float s[EXT_QUAD][EXT_KEYS]) {
+/* A vector of QL query vectors' values at one position (one lane per query vector): scores,
+ * maxima, exponentials and sums of the softmax run across query vectors, lane by lane, so
+ * none of them needs a horizontal reduction, and the scores come from each key's elements
+ * broadcast against the queries laid out dim-major, so the keys need no transposing. */
 #if defined(__AVX512F__)
-    __m512 a[EXT_QUAD][2];
-    for (int u = 0; u < EXT_QUAD; u++) a[u][0] = a[u][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < d; j++) {
-        const __m512 k0 = _mm512_loadu_ps(kt + j * EXT_KEYS);
-        const __m512 k1 = _mm512_loadu_ps(kt + j * EXT_KEYS + 16);
-        for (int u = 0; u < EXT_QUAD; u++) {
-            const __m512 b = _mm512_set1_ps(q[u][j]);
-            a[u][0] = _mm512_fmadd_ps(b, k0, a[u][0]);
-            a[u][1] = _mm512_fmadd_ps(b, k1, a[u][1]);
-        }
-    }
-    for (int u = 0; u < EXT_QUAD; u++) {
-        _mm512_storeu_ps(s[u], a[u][0]);
-        _mm512_storeu_ps(s[u] + 16, a[u][1]);
-    }
+#define QL 16
+#define KB 8  /* keys scored at once: 8 x 3 accumulators, 3 query vectors and a key element */
+#define QVN 3 /* lane groups scored at once */
+typedef __m512 qv;
+#define qv_load _mm512_loadu_ps
+#define qv_store _mm512_storeu_ps
+#define qv_set1 _mm512_set1_ps
+#define qv_zero _mm512_setzero_ps
+#define qv_fma _mm512_fmadd_ps
+#define qv_mul _mm512_mul_ps
+#define qv_add _mm512_add_ps
+#define qv_sub _mm512_sub_ps
+#define qv_max _mm512_max_ps
+#define qv_exp exp_nonpos16
+/* where pos <= last, x; elsewhere other */
+static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, last, _CMP_LE_OQ), other, x);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
-    /* two query vectors at a time: their 8 accumulators, the 4 key vectors and a broadcast
-     * fit AVX2's 16 registers */
-    for (int v = 0; v < EXT_QUAD; v += 2) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-        __m256 b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-        const float *qa = q[v], *qb = q[v + 1];
-        for (int64_t j = 0; j < d; j++) {
-            const float *kj = kt + j * EXT_KEYS;
-            const __m256 k0 = _mm256_loadu_ps(kj), k1 = _mm256_loadu_ps(kj + 8);
-            const __m256 k2 = _mm256_loadu_ps(kj + 16), k3 = _mm256_loadu_ps(kj + 24);
-            __m256 x = _mm256_broadcast_ss(qa + j);
-            a0 = _mm256_fmadd_ps(x, k0, a0), a1 = _mm256_fmadd_ps(x, k1, a1);
-            a2 = _mm256_fmadd_ps(x, k2, a2), a3 = _mm256_fmadd_ps(x, k3, a3);
-            x = _mm256_broadcast_ss(qb + j);
-            b0 = _mm256_fmadd_ps(x, k0, b0), b1 = _mm256_fmadd_ps(x, k1, b1);
-            b2 = _mm256_fmadd_ps(x, k2, b2), b3 = _mm256_fmadd_ps(x, k3, b3);
-        }
-        _mm256_storeu_ps(s[v], a0), _mm256_storeu_ps(s[v] + 8, a1);
-        _mm256_storeu_ps(s[v] + 16, a2), _mm256_storeu_ps(s[v] + 24, a3);
-        _mm256_storeu_ps(s[v + 1], b0), _mm256_storeu_ps(s[v + 1] + 8, b1);
-        _mm256_storeu_ps(s[v + 1] + 16, b2), _mm256_storeu_ps(s[v + 1] + 24, b3);
-    }
+#define QL 8
+#define KB 4 /* 4 x 2 accumulators, 2 query vectors and a key element: 11 of 16 registers */
+#define QVN 2
+typedef __m256 qv;
+#define qv_load _mm256_loadu_ps
+#define qv_store _mm256_storeu_ps
+#define qv_set1 _mm256_set1_ps
+#define qv_zero _mm256_setzero_ps
+#define qv_fma _mm256_fmadd_ps
+#define qv_mul _mm256_mul_ps
+#define qv_add _mm256_add_ps
+#define qv_sub _mm256_sub_ps
+#define qv_max _mm256_max_ps
+#define qv_exp exp_nonpos8
+static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
+    return _mm256_blendv_ps(other, x, _mm256_cmp_ps(pos, last, _CMP_LE_OQ));
+}
 #else
-    /* the same sums in the same order (j ascending, one fused multiply-add each where the
-     * target has them); the compiler vectorizes across the keys */
-    for (int v = 0; v < EXT_QUAD; v++) {
-        float acc[EXT_KEYS] = {0};
-        for (int64_t j = 0; j < d; j++) {
-            const float qj = q[v][j];
-            const float *kj = kt + j * EXT_KEYS;
-#pragma omp simd
-            for (int i = 0; i < EXT_KEYS; i++) acc[i] = fmaf(qj, kj[i], acc[i]);
-        }
-        memcpy(s[v], acc, sizeof(acc));
-    }
+/* plain C, lane by lane: the same operations, one fused multiply-add each where the target
+ * has them */
+#define QL 8
+#define KB 4
+#define QVN 2
+typedef struct {
+    float x[QL];
+} qv;
+#define QV_MAP(expr)                                                                             \
+    qv r;                                                                                        \
+    for (int l = 0; l < QL; l++) r.x[l] = (expr);                                                \
+    return r
+static inline qv qv_load(const float *p) { QV_MAP(p[l]); }
+static inline void qv_store(float *p, qv a) { memcpy(p, a.x, sizeof(a.x)); }
+static inline qv qv_set1(float a) { QV_MAP(a); }
+static inline qv qv_zero(void) { QV_MAP(0.0f); }
+static inline qv qv_fma(qv a, qv b, qv c) { QV_MAP(fmaf(a.x[l], b.x[l], c.x[l])); }
+static inline qv qv_mul(qv a, qv b) { QV_MAP(a.x[l] * b.x[l]); }
+static inline qv qv_add(qv a, qv b) { QV_MAP(a.x[l] + b.x[l]); }
+static inline qv qv_sub(qv a, qv b) { QV_MAP(a.x[l] - b.x[l]); }
+static inline qv qv_max(qv a, qv b) { QV_MAP(b.x[l] > a.x[l] ? b.x[l] : a.x[l]); }
+static inline qv qv_exp(qv a) { QV_MAP(exp_nonpos(a.x[l])); }
+static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
+    QV_MAP(pos.x[l] <= last.x[l] ? x.x[l] : other.x[l]);
+}
 #endif
+
+/* st[i * nqp + c] = qt[:, c] . kr[i] for keys i0 <= i < i0 + KB and the query vectors c of
+ * lane groups [c0 / QL, c0 / QL + groups): each score's sum runs over the d elements in order,
+ * one fused multiply-add each, whatever lane or group its query vector lands in */
+static ALWAYS_INLINE void score_block(const float *qt, int64_t nqp, const float *kr, int64_t d,
+                                      int64_t i0, int64_t c0, int groups, float *st) {
+    qv acc[KB][QVN];
+    for (int k = 0; k < KB; k++)
+        for (int u = 0; u < groups; u++) acc[k][u] = qv_zero();
+    for (int64_t j = 0; j < d; j++) {
+        qv q[QVN];
+        for (int u = 0; u < groups; u++) q[u] = qv_load(qt + j * nqp + c0 + u * QL);
+        for (int k = 0; k < KB; k++) {
+            const qv b = qv_set1(kr[(i0 + k) * d + j]);
+            for (int u = 0; u < groups; u++) acc[k][u] = qv_fma(b, q[u], acc[k][u]);
+        }
+    }
+    for (int k = 0; k < KB; k++)
+        for (int u = 0; u < groups; u++) qv_store(st + (i0 + k) * nqp + c0 + u * QL, acc[k][u]);
+}
+
+/* score_block for `groups` lane groups, a constant for each call so its loops unroll */
+static inline void score_groups(const float *qt, int64_t nqp, const float *kr, int64_t d,
+                                int64_t i0, int64_t c0, int groups, float *st) {
+    switch (groups) {
+    case 1: score_block(qt, nqp, kr, d, i0, c0, 1, st); break;
+    case 2: score_block(qt, nqp, kr, d, i0, c0, 2, st); break;
+    default: score_block(qt, nqp, kr, d, i0, c0, QVN, st); break;
+    }
 }
 
 /* acc_a += sum over i < n of wa[i] * v[i], and acc_b likewise with wb, v [n][d] contiguous: the
@@ -174,12 +212,12 @@ static inline void add_weighted_rows2(float *acc_a, const float *wa, float *acc_
 }
 
 #if defined(__AVX512F__)
-/* add_weighted_rows2 for EXT_QUAD query vectors (acc[u] += sum over i < n of w[u][i] * v[i]),
- * the same chains term for term: each value row is loaded once for all of them, so a load
- * feeds EXT_QUAD fused multiply-adds, not two; the 4 x EXT_QUAD accumulators, a row's 4
+/* add_weighted_rows for EXT_QUAD query vectors, acc[u] += sum over i < n of w[i * ws + u] *
+ * v[i], the same chains term for term: each value row is loaded once for all of them, so a
+ * load feeds EXT_QUAD fused multiply-adds, not one; the 4 x EXT_QUAD accumulators, a row's 4
  * vectors and a broadcast fit AVX-512's 32 registers. d % 64 == 0. */
-static inline void add_weighted_rows_quad(float *const *acc, const float (*w)[EXT_KEYS],
-                                      const float *v, int64_t n, int64_t d) {
+static inline void add_weighted_rows_quad(float *const *acc, const float *w, int64_t ws,
+                                          const float *v, int64_t n, int64_t d) {
     for (int64_t j = 0; j < d; j += 64) {
         __m512 a[EXT_QUAD][4];
         for (int u = 0; u < EXT_QUAD; u++)
@@ -189,7 +227,7 @@ static inline void add_weighted_rows_quad(float *const *acc, const float (*w)[EX
             const __m512 v0 = _mm512_loadu_ps(r), v1 = _mm512_loadu_ps(r + 16);
             const __m512 v2 = _mm512_loadu_ps(r + 32), v3 = _mm512_loadu_ps(r + 48);
             for (int u = 0; u < EXT_QUAD; u++) {
-                const __m512 x = _mm512_set1_ps(w[u][i]);
+                const __m512 x = _mm512_set1_ps(w[i * ws + u]);
                 a[u][0] = _mm512_fmadd_ps(x, v0, a[u][0]);
                 a[u][1] = _mm512_fmadd_ps(x, v1, a[u][1]);
                 a[u][2] = _mm512_fmadd_ps(x, v2, a[u][2]);
@@ -202,68 +240,13 @@ static inline void add_weighted_rows_quad(float *const *acc, const float (*w)[EX
 }
 #endif
 
-/* kt[j][i] = rows[i][j] for i < EXT_KEYS, j < d: the chunk's keys laid out dim-major for
- * score_quad. In 4x4 blocks of 128-bit loads, shuffles and stores where d allows: a scalar
- * scatter costs a load and a store per element, about a tenth of the whole kernel's time at a
- * 32-row extend, and 128-bit shuffles are the cheap ones on every x86 core (a 256-bit lane
- * crossing is eight uops on Zen 1). */
-static inline void transpose_keys(const float *const *rows, int64_t d, float *kt) {
-#if defined(__SSE__)
-    if (d % 4 == 0) {
-        for (int64_t i = 0; i < EXT_KEYS; i += 4)
-            for (int64_t j = 0; j < d; j += 4) {
-                __m128 r0 = _mm_loadu_ps(rows[i] + j), r1 = _mm_loadu_ps(rows[i + 1] + j);
-                __m128 r2 = _mm_loadu_ps(rows[i + 2] + j), r3 = _mm_loadu_ps(rows[i + 3] + j);
-                _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-                _mm_storeu_ps(kt + j * EXT_KEYS + i, r0);
-                _mm_storeu_ps(kt + (j + 1) * EXT_KEYS + i, r1);
-                _mm_storeu_ps(kt + (j + 2) * EXT_KEYS + i, r2);
-                _mm_storeu_ps(kt + (j + 3) * EXT_KEYS + i, r3);
-            }
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < EXT_KEYS; i++)
-        for (int64_t j = 0; j < d; j++) kt[j * EXT_KEYS + i] = rows[i][j];
-}
-
-/* sc[i] *= scale for i < n (n <= EXT_KEYS); returns the larger of mx and their max. A scalar
- * max is a chain of dependent compares, as long per chunk as scoring it. */
-static inline float scale_max(float *sc, int64_t n, float scale, float mx) {
-#if defined(__AVX512F__)
-    const __m512 k = _mm512_set1_ps(scale);
-    __m512 best = _mm512_set1_ps(mx);
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sc + i), k);
-        _mm512_mask_storeu_ps(sc + i, live, x);
-        best = _mm512_mask_max_ps(best, live, best, x);
-    }
-    return _mm512_reduce_max_ps(best);
-#elif defined(__AVX2__)
-    const __m256 k = _mm256_set1_ps(scale);
-    __m256 best = _mm256_set1_ps(mx);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sc + i), k);
-        _mm256_storeu_ps(sc + i, x);
-        best = _mm256_max_ps(best, x);
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-    for (; i < n; i++) {
-        sc[i] *= scale;
-        mx = sc[i] > mx ? sc[i] : mx;
-    }
-    return mx;
-#else
-    for (int64_t i = 0; i < n; i++) {
-        sc[i] *= scale;
-        mx = sc[i] > mx ? sc[i] : mx;
-    }
-    return mx;
-#endif
+/* Scratch floats of one extend_task of up to nq query vectors of d: the queries dim-major, the
+ * chunk's scores (then weights), its keys and values widened, the running max and sum and the
+ * last position of each query vector, and its running sums. */
+static inline int64_t ext_lanes(int64_t nq) { return (nq + QL - 1) / QL * QL; }
+static inline int64_t ext_scratch_floats(int64_t nq, int64_t d) {
+    const int64_t nqp = ext_lanes(nq);
+    return nqp * d + EXT_KEYS * nqp + 2 * EXT_KEYS * d + 3 * nqp + nq * partial_width(d);
 }
 
 /* One task: query rows [r0, r1) of an extend whose row r sits at position prefix + r and sees
@@ -271,101 +254,137 @@ static inline float scale_max(float *sc, int64_t n, float scale, float mx) {
  * q_rows[r - r0] points at row r's query heads (hq x d, contiguous). Head h of the group for
  * row r leaves its partial at part + (r - r0) * part_row_stride + h * (d + 2): the
  * unnormalized sum of values [d], then the running max m and sum l (m = -inf, l = 0 if it sees
- * none of the range); merge_splits (paged_attention.h) finishes it. kt, vt and kr are
- * scratch of d * EXT_KEYS floats each, run of EXT_ROWS * MAX_GROUP * (d + 2).
+ * none of the range); merge_splits (paged_attention.h) finishes it. scratch holds
+ * ext_scratch_floats(nq, d) floats, nq = (r1 - r0) * group.
  *
- * The sums run in run, the thread's own, and reach part once, at the end: part interleaves the
- * splits of a row, so two threads on neighbouring splits would share the cache lines at their
- * edges, and every chunk's loads and stores of the sums passed those lines between the cores
- * (2 threads ran an extend of 32 rows after 2,048 positions 1.36x as fast as one). */
+ * The sums run in scratch, the thread's own, and reach part once, at the end: part interleaves
+ * the splits of a row, so two threads on neighbouring splits would share the cache lines at
+ * their edges, and every chunk's loads and stores of the sums passed those lines between the
+ * cores (2 threads ran an extend of 32 rows after 2,048 positions 1.36x as fast as one).
+ *
+ * A query vector's arithmetic is its own: a key it does not see gets the weight 0 exactly
+ * (the sums then add +0), whichever lane, group or tile it lands in. */
 static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r1,
                                int64_t prefix, int64_t g, int64_t group, int64_t begin,
                                int64_t end, const void *k_cache, const void *v_cache,
                                int32_t kind, int64_t hkv, int64_t d, int64_t bs,
-                               const int32_t *table, float scale, float *kt, float *vt,
-                               float *kr, float *run, float *part, int64_t part_row_stride) {
-    const int64_t row = hkv * d, nq = (r1 - r0) * group, pw = partial_width(d);
-    const float *qv[EXT_ROWS * MAX_GROUP];
-    float *acc[EXT_ROWS * MAX_GROUP];
-    int64_t last[EXT_ROWS * MAX_GROUP]; /* the last position each query vector sees */
-    for (int64_t v = 0; v < nq; v++) {
-        qv[v] = q_rows[v / group] + (g * group + v % group) * d;
-        acc[v] = run + v * pw;
-        last[v] = prefix + r0 + v / group;
-        float *a = acc[v];
-        memset(a, 0, (size_t)d * sizeof(float));
-        a[d] = -INFINITY;
-        a[d + 1] = 0.0f;
+                               const int32_t *table, float scale, float *scratch, float *part,
+                               int64_t part_row_stride) {
+    const int64_t row = hkv * d, nq = (r1 - r0) * group, nqp = ext_lanes(nq);
+    const int64_t pw = partial_width(d), groups = nqp / QL;
+    float *qt = scratch, *st = qt + nqp * d, *kr = st + EXT_KEYS * nqp, *vt = kr + EXT_KEYS * d;
+    float *mx = vt + EXT_KEYS * d, *sum = mx + nqp, *lastf = sum + nqp, *run = lastf + nqp;
+    int64_t last[EXT_ROWS * MAX_GROUP + QL]; /* the last position each query vector sees */
+    float *acc[EXT_ROWS * MAX_GROUP + QL];
+    for (int64_t v = 0; v < nqp; v++) {
+        /* lanes past nq repeat the last query vector's position with a zero query: their
+         * results are never read */
+        const int64_t real = v < nq ? v : nq - 1;
+        const float *qv_src = q_rows[real / group] + (g * group + real % group) * d;
+        for (int64_t j = 0; j < d; j++) qt[j * nqp + v] = v < nq ? qv_src[j] : 0.0f;
+        last[v] = prefix + r0 + real / group;
+        mx[v] = -INFINITY;
+        sum[v] = 0.0f;
     }
-    static const float zeros[MAX_HEAD_DIM]; /* a missing tail key's row */
-    _Alignas(64) float s[EXT_QUAD][EXT_KEYS];
+    for (int64_t v = 0; v < nq; v++) {
+        acc[v] = run + v * pw;
+        memset(acc[v], 0, (size_t)d * sizeof(float));
+    }
     if (end > prefix + r1) end = prefix + r1; /* the tile's last row sees [0, prefix + r1) */
+    const qv scale_v = qv_set1(scale), neg_inf = qv_set1(-INFINITY), zero = qv_zero();
     for (int64_t p0 = begin; p0 < end; p0 += EXT_KEYS) {
         const int64_t n = end - p0 < EXT_KEYS ? end - p0 : EXT_KEYS;
-        /* the chunk's keys transposed into kt [d][EXT_KEYS] (missing tail keys zero), its
-         * values widened (or copied) into vt [EXT_KEYS][d]; a 16-bit key row is widened into
-         * kr first, a float32 one is read where it lies */
-        const float *krow[EXT_KEYS];
-        for (int64_t i = 0; i < EXT_KEYS; i++) {
-            if (i >= n) {
-                krow[i] = zeros;
-                continue;
-            }
+        const int64_t nk = (n + KB - 1) / KB * KB; /* keys scored: past n, zero rows */
+        for (int64_t i = 0; i < n; i++) {
             const int64_t p = p0 + i;
             const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
-            krow[i] = kv_load(k_cache, kind, at, d, kr + i * d);
+            const float *k = kv_load(k_cache, kind, at, d, kr + i * d);
+            if (k != kr + i * d) memcpy(kr + i * d, k, (size_t)d * sizeof(float));
             const float *v = kv_load(v_cache, kind, at, d, vt + i * d);
             if (v != vt + i * d) memcpy(vt + i * d, v, (size_t)d * sizeof(float));
         }
-        transpose_keys(krow, d, kt);
-        for (int64_t v0 = 0; v0 < nq; v0 += EXT_QUAD) {
-            if (last[v0 + EXT_QUAD <= nq ? v0 + EXT_QUAD - 1 : nq - 1] < p0)
-                continue; /* positions ascend with v: none of these sees this chunk */
-            /* a short last quad repeats its final vector; the repeats are not used */
-            const float *quad[EXT_QUAD];
-            for (int u = 0; u < EXT_QUAD; u++) quad[u] = qv[v0 + u < nq ? v0 + u : nq - 1];
-            score_quad(quad, kt, d, s);
-            int64_t vis[EXT_QUAD] = {0};
-            for (int u = 0; u < EXT_QUAD && v0 + u < nq; u++) {
-                const int64_t v = v0 + u, seen = last[v] - p0 + 1;
-                if (seen <= 0) continue;
-                vis[u] = seen < n ? seen : n;
-                float *sc = s[u], *a = acc[v];
-                const float mx = scale_max(sc, vis[u], scale, a[d]);
-                if (mx > a[d] + EXT_SLACK) { /* always on the first chunk (a[d] = -inf) */
-                    const float correction = expf(a[d] - mx); /* 0 on the first chunk */
-                    a[d + 1] *= correction;
-                    for (int64_t j = 0; j < d; j++) a[j] *= correction;
-                    a[d] = mx;
-                }
-                a[d + 1] += exp_shifted(sc, vis[u], a[d]);
+        if (nk > n) memset(kr + n * d, 0, (size_t)((nk - n) * d) * sizeof(float));
+        /* groups before `first` see none of the chunk: positions ascend with the lanes */
+        int64_t first = 0;
+        while (first < groups && last[first * QL + QL - 1] < p0) first++;
+        for (int64_t i0 = 0; i0 < nk; i0 += KB)
+            for (int64_t c = first; c < groups; c += QVN) {
+                const int take = groups - c < QVN ? (int)(groups - c) : QVN;
+                score_groups(qt, nqp, kr, d, i0, c * QL, take, st);
             }
-            /* values, four or two query vectors at a time where they see the same positions */
+        for (int64_t c = first; c < groups; c++) {
+            const int64_t c0 = c * QL;
+            const int full = last[c0] >= p0 + n - 1; /* every lane sees all of it */
+            qv lim = zero;
+            if (!full) { /* each lane's last visible key, counted from p0 */
+                _Alignas(64) float rel[QL];
+                for (int l = 0; l < QL; l++)
+                    rel[l] = (float)(last[c0 + l] - p0 < EXT_KEYS ? last[c0 + l] - p0 : EXT_KEYS);
+                lim = qv_load(rel);
+            }
+            qv top = neg_inf;
+            for (int64_t i = 0; i < n; i++) {
+                qv x = qv_mul(qv_load(st + i * nqp + c0), scale_v);
+                if (!full) x = qv_keep(qv_set1((float)i), lim, x, neg_inf);
+                qv_store(st + i * nqp + c0, x);
+                top = qv_max(top, x);
+            }
+            /* lanes whose chunk max passes their running max by more than the slack move it,
+             * rescaling what they hold (always on a lane's first chunk: m = -inf) */
+            _Alignas(64) float tops[QL];
+            qv_store(tops, top);
+            for (int l = 0; l < QL; l++) {
+                const int64_t v = c0 + l;
+                if (!(tops[l] > mx[v] + EXT_SLACK)) continue;
+                const float correction = expf(mx[v] - tops[l]); /* 0 on the first chunk */
+                sum[v] *= correction;
+                if (v < nq)
+                    for (int64_t j = 0; j < d; j++) acc[v][j] *= correction;
+                mx[v] = tops[l];
+            }
+            const qv m = qv_load(mx + c0);
+            qv total = qv_load(sum + c0);
+            for (int64_t i = 0; i < n; i++) {
+                qv e = qv_exp(qv_sub(qv_load(st + i * nqp + c0), m));
+                if (!full) e = qv_keep(qv_set1((float)i), lim, e, zero);
+                qv_store(st + i * nqp + c0, e);
+                total = qv_add(total, e);
+            }
+            qv_store(sum + c0, total);
+        }
+        /* values: acc[v] += sum over the chunk's keys i of st[i][v] * value i */
+        for (int64_t v0 = 0; v0 < nq; v0 += EXT_QUAD) {
+            const int64_t nv = nq - v0 < EXT_QUAD ? nq - v0 : EXT_QUAD;
+            if (last[v0 + nv - 1] < p0) continue; /* none of them sees the chunk */
 #if defined(__AVX512F__)
-            int same = v0 + EXT_QUAD <= nq && vis[0];
-            for (int u = 1; u < EXT_QUAD; u++) same = same && vis[u] == vis[0];
-            if (d % 64 == 0 && same) {
-                add_weighted_rows_quad(acc + v0, (const float (*)[EXT_KEYS])s, vt, vis[0], d);
+            if (d % 64 == 0 && nv == EXT_QUAD) {
+                add_weighted_rows_quad(acc + v0, st + v0, nqp, vt, n, d);
                 continue;
             }
 #endif
-            for (int u = 0; u < EXT_QUAD && v0 + u < nq; u += 2) {
-                const int64_t v = v0 + u;
-                const int pair = u + 1 < EXT_QUAD && v + 1 < nq && vis[u + 1] == vis[u];
-                if (pair && vis[u])
-                    add_weighted_rows2(acc[v], s[u], acc[v + 1], s[u + 1], vt, vis[u], d);
-                else
-                    for (int w = u; w < u + 2 && w < EXT_QUAD && v0 + w < nq; w++) {
-                        const float *rows[EXT_KEYS];
-                        for (int64_t i = 0; i < vis[w]; i++) rows[i] = vt + i * d;
-                        add_weighted_rows(acc[v0 + w], s[w], rows, 0, vis[w], d);
-                    }
+            float w[2][EXT_KEYS];
+            for (int64_t u = 0; u < nv; u += 2) {
+                const int pair = u + 1 < nv;
+                for (int64_t i = 0; i < n; i++) {
+                    w[0][i] = st[i * nqp + v0 + u];
+                    if (pair) w[1][i] = st[i * nqp + v0 + u + 1];
+                }
+                if (pair)
+                    add_weighted_rows2(acc[v0 + u], w[0], acc[v0 + u + 1], w[1], vt, n, d);
+                else {
+                    const float *rows[EXT_KEYS];
+                    for (int64_t i = 0; i < n; i++) rows[i] = vt + i * d;
+                    add_weighted_rows(acc[v0 + u], w[0], rows, 0, n, d);
+                }
             }
         }
     }
-    for (int64_t v = 0; v < nq; v++)
-        memcpy(part + v / group * part_row_stride + v % group * pw, acc[v],
-               (size_t)pw * sizeof(float));
+    for (int64_t v = 0; v < nq; v++) {
+        float *out = part + v / group * part_row_stride + v % group * pw;
+        memcpy(out, acc[v], (size_t)d * sizeof(float));
+        out[d] = mx[v];
+        out[d + 1] = sum[v];
+    }
 }
 
 #endif
