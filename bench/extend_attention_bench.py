@@ -9,21 +9,31 @@ cache (SmolLM2-135M's shape: 9 query heads over 3 kv heads of 64):
 - ``tiles``: cpu_ops.paged_extend_attention (csrc/extend_tiles.h), reading the cache in place;
 - ``rows``: cpu_ops.paged_attention_rows, the decode kernel, one row at a time.
 
+With ``--against REV``, ``tiles`` and ``rows`` also run as built from kernels/csrc at git
+revision REV (``tiles@REV``, ``rows@REV``), interleaved with today's, each case's speed against
+them the median of the repeats' own ratios: a kernel change measured in one process.
+
     python -m bench.extend_attention_bench   # bench/results/extend_attention_bench.json
+    python -m bench.extend_attention_bench --against HEAD~1
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from prefixrag.engine.attention.sdpa import ROW_GROUP, extend_sdpa
-from prefixrag.kernels import cpu_ops
+from prefixrag.kernels import cpu_ops, native_build
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -90,41 +100,101 @@ class Case:
         )  # fmt: skip
 
 
-def measure(case: Case, repeats: int) -> dict:
-    ways = {"sdpa": case.sdpa, "tiles": case.tiles, "rows": case.rows}
-    for fn in ways.values():  # warm-up: libraries built, buffers allocated
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(repeats):
-        for name, fn in ways.items():  # interleaved: drift hits every way alike
-            start = time.perf_counter()
+def library_at(rev: str):
+    """cpu_ops as built from kernels/csrc at git revision ``rev`` of this checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(
+        ["git", "archive", rev, "kernels/csrc"], cwd=repo, capture_output=True, check=True
+    ).stdout
+    where = Path(tempfile.mkdtemp(prefix="csrc-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(where, filter="data")
+    saved = native_build.CSRC
+    native_build.CSRC = where / "kernels" / "csrc"
+    native_build.load_library.cache_clear()
+    try:
+        return cpu_ops.build.__wrapped__()  # past build's cache, which holds today's library
+    finally:
+        native_build.CSRC = saved
+        native_build.load_library.cache_clear()
+
+
+def run_with(lib, fn: Callable[[], None]) -> Callable[[], None]:
+    """fn with cpu_ops calling into lib"""
+
+    def call() -> None:
+        saved = cpu_ops.build
+        cpu_ops.build = lambda *flags: lib
+        try:
             fn()
+        finally:
+            cpu_ops.build = saved
+
+    return call
+
+
+def measure(case: Case, repeats: int, against: tuple[str, object] | None) -> dict:
+    ways = {"sdpa": case.sdpa, "tiles": case.tiles, "rows": case.rows}
+    if against is not None:
+        rev, lib = against
+        ways[f"tiles@{rev}"] = run_with(lib, case.tiles)
+        ways[f"rows@{rev}"] = run_with(lib, case.rows)
+    outputs = {}
+    for name, fn in ways.items():  # warm-up: libraries built, buffers allocated
+        fn()
+        outputs[name] = case.out.clone()
+    for name in ways:  # the same attention (up to summation order), so no wrong kernel is timed
+        torch.testing.assert_close(outputs[name], outputs["sdpa"], atol=1e-4, rtol=1e-4)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(repeats):
+        names = list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]
+        for name in names:  # interleaved, each going first in turn: drift hits every way alike
+            start = time.perf_counter()
+            ways[name]()
             times[name].append(1000 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}
+    cell = {"median_ms": {name: statistics.median(t) for name, t in times.items()}}
+    if against is not None:
+        rev = against[0]
+        cell["over_rev"] = {
+            kernel: statistics.median(
+                a / b for a, b in zip(times[kernel], times[f"{kernel}@{rev}"], strict=True)
+            )
+            for kernel in ("tiles", "rows")
+        }
+    return cell
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--against", metavar="REV", help="also time the kernels of revision REV")
     parser.add_argument("--out", type=Path, default=RESULTS / "extend_attention_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the C kernels share torch's OpenMP pool
+    against = (args.against, library_at(args.against)) if args.against else None
     rows = []
-    header = ("prefix", "new", "sdpa ms", "tiles ms", "rows ms", "sdpa/tiles")
+    header = ["prefix", "new", "sdpa ms", "tiles ms", "rows ms", "sdpa/tiles"]
+    if against:
+        header += [f"tiles/@{args.against}", f"rows/@{args.against}"]
     print(" ".join(f"{h:>10}" for h in header))
     for prefix, n in CASES:
-        ms = measure(Case(prefix, n), args.repeats)
-        rows.append({"prefix": prefix, "new": n, "median_ms": ms})
-        print(
+        cell = measure(Case(prefix, n), args.repeats, against)
+        rows.append({"prefix": prefix, "new": n, **cell})
+        ms = cell["median_ms"]
+        line = (
             f"{prefix:>10} {n:>10} {ms['sdpa']:>10.3f} {ms['tiles']:>10.3f} {ms['rows']:>10.3f} "
             f"{ms['sdpa'] / ms['tiles']:>9.2f}x"
         )
+        if against:
+            line += f" {cell['over_rev']['tiles']:>10.3f} {cell['over_rev']['rows']:>10.3f}"
+        print(line)
     result = {
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
         "kv_dtype": "float16",
         "threads": args.threads,
         "repeats": args.repeats,
+        "against": args.against,
         "cases": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
