@@ -6,13 +6,14 @@ A new question after cached documents prefills tens of tokens. Up to TILE_KERNEL
 once at load (engine/packed_gemm.py), which every prefill of more than 16 rows took before.
 
 - matmuls: the packaged model's layer matrices (the LM head left out: a prefill computes it for
-  its last row only), for each row count the whole set through the GEMM, the tiles and the block
+  its last row only), for each row count the whole set through the GEMM, the tiles, the block
   kernel's row loop without tiles (a build with TILE_MIN_ROWS past every count: what 12 to 16
-  rows took before the tiles), interleaved, the order rotating by repeat; medians, and the
-  median of each repeat's own ratio to the GEMM;
-- warm TTFT: one engine, a 2,048-token prefix cached, then a prompt of it and 32 new tokens, with
-  TILE_KERNEL_MAX_ROWS at BLOCK_KERNEL_MAX_ROWS (the tiles unused: the 32 rows take the GEMM) and
-  at its own value, alternating, each prompt's 32 tokens new.
+  rows took before the tiles) and, on hosts with AMX, its tile products (csrc/amx_matmul.h, which
+  the engine takes past 16 rows up to AMX_MAX_ROWS), interleaved, the order rotating by repeat;
+  medians, and the median of each repeat's own ratio to the GEMM;
+- warm TTFT: one engine, a 2,048-token prefix cached, then a prompt of it and 32 new tokens, the
+  32 rows through the GEMM, the tiles and (with AMX) AMX's products in turn, each prompt's 32
+  tokens new.
 
 Writes JSON and a PNG, and prints a summary::
 
@@ -46,8 +47,10 @@ from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.packed_gemm import pack_weight, packed_linear
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
+    amx_ready,
     block_quant_dequantize,
     block_quant_matmul,
+    block_quant_matmul_amx,
     tile_min_rows,
 )
 from prefixrag.kernels.native_build import DEFAULT_FLAGS
@@ -86,7 +89,13 @@ def gemm(x, block, dense):
     return packed_linear(x, dense)
 
 
+def amx(x, block, dense):
+    return block_quant_matmul_amx(x, block)
+
+
 KERNELS = {"gemm": gemm, "tiles": tiles, "rows": row_loop}
+if amx_ready():
+    KERNELS["amx"] = amx
 
 
 def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
@@ -99,18 +108,21 @@ def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
         for (block, dense), x in list(zip(weights, xs, strict=True))[:4]:
             want = gemm(x, block, dense)
             assert torch.equal(tiles(x, block, dense), row_loop(x, block, dense))
-            torch.testing.assert_close(tiles(x, block, dense), want, atol=1e-4, rtol=1e-4)
+            for name in KERNELS:
+                torch.testing.assert_close(
+                    KERNELS[name](x, block, dense), want, atol=1e-4, rtol=1e-4
+                )
         names = list(KERNELS)
         samples: dict[str, list[float]] = {name: [] for name in names}
         for r in range(repeats + 1):  # the first repeat warms up, untimed
-            for name in names[r % 3 :] + names[: r % 3]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 ms = sweep_ms(KERNELS[name], weights, xs)
                 if r:
                     samples[name].append(ms)
         cell: dict[str, object] = {"samples_ms": samples}
         for name in names:
             cell[f"{name}_ms"] = statistics.median(samples[name])
-        for name in ("tiles", "rows"):
+        for name in names[1:]:
             ratios = [a / g for a, g in zip(samples[name], samples["gemm"], strict=True)]
             cell[f"{name}_over_gemm"] = statistics.median(ratios)
             cell[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
@@ -118,20 +130,32 @@ def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
     return {"matrices": len(weights), "rows": out}
 
 
+def warm_settings() -> dict[str, tuple[int, int]]:
+    """Each way of running a warm prompt's 32 rows: (TILE_KERNEL_MAX_ROWS, AMX_MAX_ROWS)"""
+    block, tiles = quant.BLOCK_KERNEL_MAX_ROWS, quant.TILE_KERNEL_MAX_ROWS
+    ways = {"gemm": (block, block), "tiles": (tiles, block)}
+    if amx_ready():
+        ways["amx"] = (tiles, max(quant.AMX_MAX_ROWS, SUFFIX))
+    return ways
+
+
 def bench_warm(engine, repeats: int) -> dict:
     ours = Ours(engine)
     prefix = corpus_ids(engine, PREFIX)
-    suffixes = [corpus_ids(engine, SUFFIX, PREFIX + SUFFIX * i) for i in range(2 * repeats + 3)]
+    settings = warm_settings()
+    suffixes = [
+        corpus_ids(engine, SUFFIX, PREFIX + SUFFIX * i)
+        for i in range(len(settings) * (repeats + 1) + 1)
+    ]
     ours.scope = fresh_scope()
     ours.run_one(prefix + suffixes[0], 1, ours.scope)  # the prefix, cached
-    settings = {"gemm": quant.BLOCK_KERNEL_MAX_ROWS, "tiles": quant.TILE_KERNEL_MAX_ROWS}
     samples: dict[str, list[float]] = {name: [] for name in settings}
-    saved, used = quant.TILE_KERNEL_MAX_ROWS, 1
+    saved, used = (quant.TILE_KERNEL_MAX_ROWS, quant.AMX_MAX_ROWS), 1
+    names = list(settings)
     try:
         for r in range(repeats + 1):
-            order = ("tiles", "gemm") if r % 2 else ("gemm", "tiles")
-            for name in order:
-                quant.TILE_KERNEL_MAX_ROWS = settings[name]
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                quant.TILE_KERNEL_MAX_ROWS, quant.AMX_MAX_ROWS = settings[name]
                 result = ours.run_one(prefix + suffixes[used], 1, ours.scope)
                 used += 1
                 if result.cached_tokens < PREFIX - engine.runner.block_size:
@@ -139,17 +163,15 @@ def bench_warm(engine, repeats: int) -> dict:
                 if r:
                     samples[name].append(1000 * result.ttft_s)
     finally:
-        quant.TILE_KERNEL_MAX_ROWS = saved
-    ratios = [t / g for t, g in zip(samples["tiles"], samples["gemm"], strict=True)]
-    return {
-        "prefix_tokens": PREFIX,
-        "new_tokens": SUFFIX,
-        "samples_ms": samples,
-        "tiles_ms": statistics.median(samples["tiles"]),
-        "gemm_ms": statistics.median(samples["gemm"]),
-        "tiles_over_gemm": statistics.median(ratios),
-        "ratio_range": [min(ratios), max(ratios)],
-    }
+        quant.TILE_KERNEL_MAX_ROWS, quant.AMX_MAX_ROWS = saved
+    out: dict[str, object] = {"prefix_tokens": PREFIX, "new_tokens": SUFFIX, "samples_ms": samples}
+    for name in names:
+        out[f"{name}_ms"] = statistics.median(samples[name])
+        if name != "gemm":
+            ratios = [t / g for t, g in zip(samples[name], samples["gemm"], strict=True)]
+            out[f"{name}_over_gemm"] = statistics.median(ratios)
+            out[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -164,6 +186,8 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(rows, [c["gemm_ms"] for c in cells], "o-", label="GEMM over the dequantized matrix")
     ax.plot(rows, [c["tiles_ms"] for c in cells], "o-", label="block kernel, tiles")
     ax.plot(rows, [c["rows_ms"] for c in cells], "o--", label="block kernel, row loop")
+    if all("amx_ms" in c for c in cells):
+        ax.plot(rows, [c["amx_ms"] for c in cells], "o-", label="AMX, operands in 3 parts")
     ax.axvline(quant.TILE_KERNEL_MAX_ROWS, color="grey", ls=":", label="TILE_KERNEL_MAX_ROWS")
     ax.set_xlabel("rows of x (new prompt tokens)")
     ax.set_ylabel(f"ms for the model's {result['matmuls']['matrices']} layer matrices")
@@ -200,28 +224,30 @@ def main() -> None:
         "cpu": cpu_info(),
         "threads": args.threads,
         "tile_kernel_max_rows": quant.TILE_KERNEL_MAX_ROWS,
+        "amx_max_rows": quant.AMX_MAX_ROWS if amx_ready() else None,
         "matmuls": bench_matmuls(engine, args.repeats, tuple(int(r) for r in args.rows.split(","))),
         "warm_ttft": bench_warm(engine, args.repeats),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
-    print(
-        f"{'rows':>5} {'GEMM ms':>9} {'tiles ms':>9} {'row loop':>9} {'tiles/GEMM':>11} "
-        f"{'per repeat':>13} {'loop/GEMM':>10}"
-    )
+    names = list(KERNELS)
+    print(f"{'rows':>5} " + " ".join(f"{n + ' ms':>9}" for n in names) + "   over GEMM (range)")
     for rows, cell in result["matmuls"]["rows"].items():
-        lo, hi = cell["tiles_ratio_range"]
-        print(
-            f"{rows:>5} {cell['gemm_ms']:9.1f} {cell['tiles_ms']:9.1f} {cell['rows_ms']:9.1f} "
-            f"{cell['tiles_over_gemm']:11.3f} {lo:6.3f}-{hi:.3f} {cell['rows_over_gemm']:10.3f}"
+        ratios = "  ".join(
+            f"{n} {cell[n + '_over_gemm']:.3f} ({cell[n + '_ratio_range'][0]:.3f}-"
+            f"{cell[n + '_ratio_range'][1]:.3f})"
+            for n in names[1:]
         )
+        print(f"{rows:>5} " + " ".join(f"{cell[n + '_ms']:9.1f}" for n in names) + f"   {ratios}")
     warm = result["warm_ttft"]
-    lo, hi = warm["ratio_range"]
-    print(
-        f"warm TTFT, {PREFIX} cached + {SUFFIX} new: GEMM {warm['gemm_ms']:.1f} ms, tiles "
-        f"{warm['tiles_ms']:.1f} ms, tiles/GEMM {warm['tiles_over_gemm']:.3f} ({lo:.3f}-{hi:.3f})"
+    ways = ", ".join(f"{n} {warm[n + '_ms']:.1f} ms" for n in warm["samples_ms"])
+    ratios = ", ".join(
+        f"{n}/GEMM {warm[n + '_over_gemm']:.3f} ({warm[n + '_ratio_range'][0]:.3f}-"
+        f"{warm[n + '_ratio_range'][1]:.3f})"
+        for n in list(warm["samples_ms"])[1:]
     )
+    print(f"warm TTFT, {PREFIX} cached + {SUFFIX} new: {ways}; {ratios}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

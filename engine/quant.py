@@ -28,8 +28,10 @@ from prefixrag.kernels.block_quant_matmul import (
     MAX_K,
     QBLOCK,
     BlockQuantWeight,
+    amx_ready,
     block_quant_dequantize,
     block_quant_matmul,
+    block_quant_matmul_amx,
     fixed_order_matmul,
     q8_activations_fast,
     tile_min_rows,
@@ -49,6 +51,14 @@ BLOCK_KERNEL_MAX_ROWS = 16
 # the GEMM streams 5x the bytes, and this host's memory and cores slow down apart); the warm
 # TTFT of 32 new tokens after 2,048 cached was 0.87-0.96x of the GEMM's.
 TILE_KERNEL_MAX_ROWS = 32
+# NOTE: on hosts with AMX (kernels/csrc/amx_matmul.h), float32 rows of x past
+# BLOCK_KERNEL_MAX_ROWS and up to this many take AMX's bfloat16 tile products instead of the
+# tiles or the GEMM, each operand split into three exact parts: float32 accuracy (closer to
+# float64 than MKL's float32 GEMM), but not a decode step's bits, as the GEMM's. SmolLM2-135M
+# Q4_1's layer matrices, 2 threads, 2-core Xeon, interleaved (bench/prefill_matmul_bench.py and
+# session notes): against the GEMM 0.79x at 32 rows (the tiles 0.94x), 0.69x at 64, 0.73x at
+# 128, 0.92x at 560 and 1.28x at 2,080, where x no longer fits in L2.
+AMX_MAX_ROWS = 256
 INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
 # multiple of 16 (measured on AVX-512); other shapes are padded with zeros up to one.
@@ -128,11 +138,14 @@ def linear(
     third to a half of it on this path (bench/engine_bench.py's fp32 side). Past that many rows
     prefill is compute-bound and MKL's GEMM wins, as for block weights past
     TILE_KERNEL_MAX_ROWS (up to it, on builds with the block kernel's tiles, they keep the block
-    kernel and a decode step's bits)."""
+    kernel and a decode step's bits; on hosts with AMX, up to AMX_MAX_ROWS take its tile
+    products instead, at float32 accuracy)."""
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
         if rows <= BLOCK_KERNEL_MAX_ROWS:
             out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
+        elif rows <= AMX_MAX_ROWS and _amx_build():
+            out = block_quant_matmul_amx(x, weight)
         elif rows <= TILE_KERNEL_MAX_ROWS and _block_tiles_build():
             out = block_quant_matmul(x, weight)
         else:
@@ -211,6 +224,11 @@ def _block_kernel_builds() -> bool:
 @functools.cache
 def _block_tiles_build() -> bool:
     return _block_kernel_builds() and tile_min_rows() > 0
+
+
+@functools.cache
+def _amx_build() -> bool:
+    return _block_kernel_builds() and amx_ready()
 
 
 def _block_weights(model: nn.Module) -> list[BlockQuantWeight]:

@@ -170,6 +170,35 @@ def block_quant_matmul(
     return out.reshape(*x.shape[:-1], n)
 
 
+def amx_ready(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
+    """True when the build with ``flags`` has the AMX path (csrc/amx_matmul.h: an AMX-BF16
+    host) and Linux lets this process use the tile registers."""
+    return bool(load_library("block_quant_matmul.c", flags).block_quant_amx_ready())
+
+
+def block_quant_matmul_amx(
+    x: torch.Tensor, w: BlockQuantWeight, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """``x @ W.T`` as :func:`block_quant_matmul`, on AMX's bfloat16 tile products, the
+    dequantized weights and x each split into three parts that add up to them exactly
+    (csrc/amx_matmul.h): float32 accuracy in another summation order, so not the block kernel's
+    bits. Raises ValueError where :func:`amx_ready` is False."""
+    _check(x, w)
+    n, k = w.shape
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if x2.shape[0]:
+        rc = load_library("block_quant_matmul.c", flags).block_quant_matmul_amx(
+            ctypes.c_int(_KIND[w.kind]), _ptr(x2), _ptr(w.codes), _ptr(w.d), _ptr(w.m),
+            _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
+        )  # fmt: skip
+        if rc == -3:
+            raise MemoryError("block_quant_matmul_amx could not allocate its scratch memory")
+        if rc != 0:
+            raise ValueError("no AMX here (see amx_ready), or K is not a multiple of 32")
+    return out.reshape(*x.shape[:-1], n)
+
+
 def q8_activations_fast(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
     """True when the build with ``flags`` runs int8 activations on AVX-512 VNNI or AVX2.
     Elsewhere they take portable C loops, slower than the float32 path, kept as the vector

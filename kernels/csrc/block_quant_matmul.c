@@ -15,7 +15,11 @@
  * the host compiled: a token's logits do not depend on what else shares its batch. Threads split
  * N through OpenMP; the library links the libgomp torch already loaded, so torch and this kernel
  * share one thread pool.
+ *
+ * One entry point leaves that order: block_quant_matmul_amx (amx_matmul.h), for prefill-sized
+ * matmuls, which the engine calls only past a decode step's row counts.
  */
+#define _GNU_SOURCE /* syscall(), which asks Linux for the AMX tile state */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -86,6 +90,52 @@ int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const fl
     free(q);
     free(buf);
     return 0;
+}
+
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "amx_matmul.h"
+#define BQ_AMX 1
+#endif
+
+/* 1 when this build has the AMX path (amx_matmul.h) and the kernel lets the process use AMX */
+int block_quant_amx_ready(void) {
+#if defined(BQ_AMX)
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* out[M, N] = x[M, K] @ W[N, K]^T on AMX (amx_matmul.h): the dequantized matrix's products to
+ * float32 accuracy, not the block kernel's bits. Returns 0, -1 where the build or the kernel
+ * has no AMX, or for a bad K or kind, -3 if scratch memory could not be had. */
+int block_quant_matmul_amx(int kind, const float *x, const void *codes, const float *d,
+                           const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
+#if defined(BQ_AMX)
+    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind) || !amx_permitted()) return -1;
+    /* per thread: 16 weight rows' parts */
+    const int64_t per_thread = k / AMX_CHUNK * AMX_PARTS * 1024;
+    const int64_t threads = omp_get_max_threads();
+    uint8_t *xbuf = aligned_alloc(64, (size_t)amx_x_bytes(rows, k));
+    uint8_t *scratch = aligned_alloc(64, (size_t)(threads * per_thread));
+    if (!xbuf || !scratch) {
+        free(xbuf);
+        free(scratch);
+        return -3;
+    }
+#pragma omp parallel
+    {
+        uint8_t *own = scratch + omp_get_thread_num() * per_thread;
+        amx_pack_x(x, rows, k, xbuf);
+        amx_matmul_for(kind, xbuf, codes, d, m, out, rows, n, k, (__m512i *)own);
+    }
+    free(scratch);
+    free(xbuf);
+    return 0;
+#else
+    (void)kind, (void)x, (void)codes, (void)d, (void)m, (void)out, (void)rows, (void)n, (void)k;
+    return -1;
+#endif
 }
 
 /* 1 when int8 activations run on AVX-512 VNNI or AVX2 here, 0 when on the portable loops (which

@@ -270,7 +270,8 @@ def test_float32_linear_takes_the_fixed_order_kernel_up_to_16_rows(rows):
 def test_block_linear_gives_tens_of_rows_a_decode_steps_bits(rows):
     # a new question of tens of tokens after cached documents: on a build with the block
     # kernel's tiles (AVX-512) up to TILE_KERNEL_MAX_ROWS rows take them, with each row's bits
-    # what it gets alone (a decode step); past them, the GEMM over the dequantized matrix
+    # what it gets alone (a decode step), unless the host has AMX, whose path takes them up to
+    # AMX_MAX_ROWS at float32 accuracy; past them, the GEMM over the dequantized matrix
     from prefixrag.engine import quant
     from prefixrag.kernels.block_quant_matmul import (
         BlockQuantWeight,
@@ -292,7 +293,8 @@ def test_block_linear_gives_tens_of_rows_a_decode_steps_bits(rows):
     torch.testing.assert_close(out, x @ dense.T, atol=1e-3, rtol=1e-4)
     alone = torch.cat([quant.linear(x[r : r + 1], weight) for r in range(rows)])
     tiles = tile_min_rows() > 0
+    amx = quant._amx_build() and rows <= quant.AMX_MAX_ROWS
     decode_bits = rows <= quant.BLOCK_KERNEL_MAX_ROWS or (
-        tiles and rows <= quant.TILE_KERNEL_MAX_ROWS
+        tiles and not amx and rows <= quant.TILE_KERNEL_MAX_ROWS
     )
     assert torch.equal(out, alone) == decode_bits

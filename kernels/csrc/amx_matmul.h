@@ -1,0 +1,225 @@
+/* Prefill-sized block matmuls (17 to 32 rows of x: a new question after cached documents) on
+ * AMX's bfloat16 tile products, to float32 accuracy.
+ *
+ * The block tiles (block_tiles.h) run float32 fused multiply-adds at their peak, about 100
+ * GFLOP/s a core here; AMX multiplies 16 x 32 by 32 x 16 bfloat16 matrices in one instruction.
+ * Its inputs have 8 significant bits, so both operands, the expanded weight fl(d * c + m) and
+ * x, are split into three bfloat16 parts that add up to them exactly: each part is the top 16
+ * bits of what the parts before it left, rounded, so each part is at most 2^-8 of the one
+ * before and 3 x 8 bits hold float32's 24. Six of the nine products of parts are kept: the
+ * other three are at most 2^-24 of the whole, float32's own rounding. Each product of parts is exact in float32 and the
+ * tile unit adds them in float32, so a result is the dot product over the dequantized matrix
+ * to float32 accuracy, in another summation order than the block kernel's: not its bits.
+ *
+ * The weights are the tile products' left operand (16 weight rows by a chunk of 32 elements, as
+ * a row lies), unpacked and split once per 16 rows for all rows of x; x is the right operand,
+ * in AMX's pair layout, laid out once per call. C then holds 16 weight rows by 16 rows of x,
+ * transposed into out. Tiles: C for two tiles of 16 rows of x (0, 1), the weights' three parts
+ * (2 to 4), x's three parts for one tile (5 to 7); a chunk is 12 products.
+ */
+#ifndef PREFIXRAG_AMX_MATMUL_H
+#define PREFIXRAG_AMX_MATMUL_H
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "block_quant.h"
+
+#define AMX_ROWS 16  /* rows of a tile */
+#define AMX_CHUNK 32 /* bfloat16 elements in a tile row: one block */
+#define AMX_PARTS 3 /* bfloat16 parts of each operand */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands a process the tile registers' state only when it asks; 1 if it may use them */
+static inline int amx_permitted(void) {
+    static int state = -1; /* -1 not asked yet; asking twice is harmless */
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+/* every tile 16 rows of 64 bytes */
+static inline void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = AMX_ROWS;
+    _tile_loadconfig(&cfg);
+}
+
+/* the float32 of 16 bfloat16 */
+static inline __m512 bf16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 32 floats (lo: elements 0-15, hi: 16-31) into three bfloat16 vectors of 32 that add up to
+ * them exactly: each what the ones before it left, rounded to its top 16 bits (half up; what is
+ * left is exact in float32, at most 2^-8 of what was there, and has at most 16 then 8
+ * significant bits) */
+static inline void split_bf16(__m512 lo, __m512 hi, __m512i *out) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
+    /* the odd 16-bit words (each float's top half) of lo, then of hi */
+    static const uint16_t odd_words[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                           23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                           45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    const __m512i odd = _mm512_loadu_si512(odd_words);
+    for (int p = 0; p < AMX_PARTS; p++) {
+        const __m512i lo_top =
+            _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(lo), half), top);
+        const __m512i hi_top =
+            _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(hi), half), top);
+        out[p] = _mm512_permutex2var_epi16(lo_top, odd, hi_top);
+        lo = _mm512_sub_ps(lo, _mm512_castsi512_ps(lo_top));
+        hi = _mm512_sub_ps(hi, _mm512_castsi512_ps(hi_top));
+    }
+}
+
+/* a 16 x 16 matrix of 32-bit words, row i in v[i], transposed in place */
+static inline void transpose16(__m512i *v) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) { /* per 128-bit lane: columns 2j and 2j + 1 */
+            v[i + 2 * j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+            v[i + 2 * j + 1] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+    }
+}
+
+/* Bytes of x's packed parts for rows of x and k: [tile pair][chunk][2 tiles][part][16 pairs][16
+ * rows of x][2] bfloat16 */
+static inline int64_t amx_pairs(int64_t rows) { return (rows + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS); }
+static inline int64_t amx_x_bytes(int64_t rows, int64_t k) {
+    return amx_pairs(rows) * (k / AMX_CHUNK) * 2 * AMX_PARTS * 1024;
+}
+
+/* x's parts laid out as the right operand of the tile products, each (tile of 16 rows, chunk,
+ * part) one 1 KB tile whose row i holds, for each of the 16 rows of x, elements 2i and 2i + 1
+ * of the chunk; rows past `rows` are zero. Call from every thread of a parallel region; ends
+ * with the loop's barrier. */
+static inline void amx_pack_x(const float *x, int64_t rows, int64_t k, uint8_t *buf) {
+    const int64_t chunks = k / AMX_CHUNK, tiles = amx_pairs(rows) * 2;
+    __m512i *xp = (__m512i *)buf;
+#pragma omp for schedule(static)
+    for (int64_t e = 0; e < tiles * chunks; e++) {
+        const int64_t tile = e / chunks, c = e % chunks;
+        __m512i part[AMX_PARTS][AMX_ROWS];
+        for (int64_t t = 0; t < AMX_ROWS; t++) {
+            const int64_t r = tile * AMX_ROWS + t;
+            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+            if (r < rows) {
+                lo = _mm512_loadu_ps(x + r * k + c * AMX_CHUNK);
+                hi = _mm512_loadu_ps(x + r * k + c * AMX_CHUNK + 16);
+            }
+            __m512i parts[AMX_PARTS];
+            split_bf16(lo, hi, parts);
+            for (int s = 0; s < AMX_PARTS; s++) part[s][t] = parts[s];
+        }
+        const int64_t at = (((tile / 2) * chunks + c) * 2 + tile % 2) * AMX_PARTS;
+        for (int s = 0; s < AMX_PARTS; s++) {
+            transpose16(part[s]); /* row i: pair i of every row of x */
+            for (int i = 0; i < AMX_ROWS; i++) xp[(at + s) * AMX_ROWS + i] = part[s][i];
+        }
+    }
+}
+
+/* weight rows j0 .. j0 + 15 (rows past n zero), expanded as the block kernel expands them
+ * (block_pieces: fl(d * c + m)), in three bfloat16 parts: [chunk][part][16 rows][32] */
+static inline void amx_pack_w(int kind, const void *codes, const float *d, const float *m,
+                              int64_t j0, int64_t n, int64_t k, __m512i *wp) {
+    for (int64_t r = 0; r < AMX_ROWS; r++) {
+        const int64_t j = j0 + r;
+        const void *cj = NULL;
+        const float *dj = NULL, *mj = NULL;
+        if (j < n) row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
+        if (j + AMX_ROWS < n) prefetch_block_row(kind, codes, d, m, j + AMX_ROWS, n, k);
+        for (int64_t c = 0; c < k / AMX_CHUNK; c++) {
+            vec w[PIECES] = {vzero(), vzero()};
+            if (j < n) block_pieces(kind, cj, dj, mj, c, w);
+            __m512i parts[AMX_PARTS];
+            split_bf16(w[0], w[1], parts);
+            for (int s = 0; s < AMX_PARTS; s++) wp[(c * AMX_PARTS + s) * AMX_ROWS + r] = parts[s];
+        }
+    }
+}
+
+/* out[r, j] = x[r] . W[j] for r < rows, j < n, x packed by amx_pack_x into xbuf; call from
+ * every thread of a parallel region, each with wp (k / 32 * 3 KB, 64-byte aligned). Ends with
+ * the loop's barrier. */
+static inline void amx_matmul_for(int kind, const uint8_t *xbuf, const void *codes,
+                                  const float *d, const float *m, float *out, int64_t rows,
+                                  int64_t n, int64_t k, __m512i *wp) {
+    const int64_t pairs = amx_pairs(rows), chunks = k / AMX_CHUNK;
+    _Alignas(64) __m512i c[AMX_ROWS];
+    amx_configure();
+#pragma omp for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += AMX_ROWS) {
+        amx_pack_w(kind, codes, d, m, j0, n, k, wp);
+        for (int64_t p = 0; p < pairs; p++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t ch = 0; ch < chunks; ch++) {
+                const __m512i *w = wp + ch * AMX_PARTS * AMX_ROWS;
+                const uint8_t *x = xbuf + (p * chunks + ch) * 2 * AMX_PARTS * 1024;
+                _tile_loadd(2, w, 64);
+                _tile_loadd(3, w + AMX_ROWS, 64);
+                _tile_loadd(4, w + 2 * AMX_ROWS, 64);
+                _tile_loadd(5, x, 64); /* x's first part: times every part of w */
+                _tile_loadd(6, x + 1024, 64);
+                _tile_loadd(7, x + 2048, 64);
+                _tile_dpbf16ps(0, 2, 5);
+                _tile_dpbf16ps(0, 3, 5);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(0, 2, 6); /* x's second: w's first two */
+                _tile_dpbf16ps(0, 3, 6);
+                _tile_dpbf16ps(0, 2, 7); /* x's third: w's first */
+                _tile_loadd(5, x + 3072, 64); /* the pair's second tile of x */
+                _tile_loadd(6, x + 4096, 64);
+                _tile_loadd(7, x + 5120, 64);
+                _tile_dpbf16ps(1, 2, 5);
+                _tile_dpbf16ps(1, 3, 5);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_dpbf16ps(1, 2, 6);
+                _tile_dpbf16ps(1, 3, 6);
+                _tile_dpbf16ps(1, 2, 7);
+            }
+            /* C[w][t]: weight row j0 + w, row of x 32p + 16h + t; transposed into out */
+            for (int h = 0; h < 2; h++) {
+                const int64_t r0 = 32 * p + 16 * h;
+                if (r0 >= rows) break;
+                if (h == 0)
+                    _tile_stored(0, c, 64);
+                else
+                    _tile_stored(1, c, 64);
+                transpose16(c);
+                const __mmask16 cols = j0 + AMX_ROWS <= n ? 0xffff : (1u << (n - j0)) - 1;
+                for (int64_t t = 0; t < AMX_ROWS && r0 + t < rows; t++)
+                    _mm512_mask_storeu_ps(out + (r0 + t) * n + j0, cols, _mm512_castsi512_ps(c[t]));
+            }
+        }
+    }
+    _tile_release();
+}
+
+#endif
