@@ -7,9 +7,10 @@
  * x, are split into three bfloat16 parts that add up to them exactly: each part is the top 16
  * bits of what the parts before it left, rounded, so each part is at most 2^-8 of the one
  * before and 3 x 8 bits hold float32's 24. Six of the nine products of parts are kept: the
- * other three are at most 2^-24 of the whole, float32's own rounding. Each product of parts is exact in float32 and the
- * tile unit adds them in float32, so a result is the dot product over the dequantized matrix
- * to float32 accuracy, in another summation order than the block kernel's: not its bits.
+ * other three are at most 2^-24 of the whole, float32's own rounding. Each product of parts is
+ * exact in float32 and the tile unit adds them in float32, so a result is the dot product over
+ * the dequantized matrix to float32 accuracy, in another summation order than the block
+ * kernel's: not its bits.
  *
  * The weights are the tile products' left operand (16 weight rows by a chunk of 32 elements, as
  * a row lies), unpacked and split once per 16 rows for all rows of x; x is the right operand,

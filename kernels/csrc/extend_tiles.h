@@ -50,14 +50,14 @@
  * FlashAttention-4 does. merge_splits takes any reference max. */
 #define EXT_SLACK 8.0f
 
-/* A vector of QL query vectors' values at one position (one lane per query vector): scores,
- * maxima, exponentials and sums of the softmax run across query vectors, lane by lane, so
- * none of them needs a horizontal reduction, and the scores come from each key's elements
+/* A vector of EXT_LANES query vectors' values at one position (one lane per query vector):
+ * scores, maxima, exponentials and sums of the softmax run across query vectors, lane by lane,
+ * so none of them needs a horizontal reduction, and the scores come from each key's elements
  * broadcast against the queries laid out dim-major, so the keys need no transposing. */
 #if defined(__AVX512F__)
-#define QL 16
-#define KB 8  /* keys scored at once: 8 x 3 accumulators, 3 query vectors and a key element */
-#define QVN 3 /* lane groups scored at once */
+#define EXT_LANES 16
+#define EXT_KB 8  /* keys scored at once: 8 x 3 accumulators, 3 query vectors and a key element */
+#define EXT_GROUPS 3 /* lane groups scored at once */
 typedef __m512 qv;
 #define qv_load _mm512_loadu_ps
 #define qv_store _mm512_storeu_ps
@@ -74,9 +74,9 @@ static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pos, last, _CMP_LE_OQ), other, x);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define QL 8
-#define KB 4 /* 4 x 2 accumulators, 2 query vectors and a key element: 11 of 16 registers */
-#define QVN 2
+#define EXT_LANES 8
+#define EXT_KB 4 /* 4 x 2 accumulators, 2 query vectors and a key element: 11 of 16 registers */
+#define EXT_GROUPS 2
 typedef __m256 qv;
 #define qv_load _mm256_loadu_ps
 #define qv_store _mm256_storeu_ps
@@ -94,15 +94,15 @@ static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
 #else
 /* plain C, lane by lane: the same operations, one fused multiply-add each where the target
  * has them */
-#define QL 8
-#define KB 4
-#define QVN 2
+#define EXT_LANES 8
+#define EXT_KB 4
+#define EXT_GROUPS 2
 typedef struct {
-    float x[QL];
+    float x[EXT_LANES];
 } qv;
 #define QV_MAP(expr)                                                                             \
     qv r;                                                                                        \
-    for (int l = 0; l < QL; l++) r.x[l] = (expr);                                                \
+    for (int l = 0; l < EXT_LANES; l++) r.x[l] = (expr);                                         \
     return r
 static inline qv qv_load(const float *p) { QV_MAP(p[l]); }
 static inline void qv_store(float *p, qv a) { memcpy(p, a.x, sizeof(a.x)); }
@@ -119,24 +119,26 @@ static inline qv qv_keep(qv pos, qv last, qv x, qv other) {
 }
 #endif
 
-/* st[i * nqp + c] = qt[:, c] . kr[i] for keys i0 <= i < i0 + KB and the query vectors c of
- * lane groups [c0 / QL, c0 / QL + groups): each score's sum runs over the d elements in order,
- * one fused multiply-add each, whatever lane or group its query vector lands in */
+/* st[i * nqp + c] = qt[:, c] . kr[i] for keys i0 <= i < i0 + EXT_KB and the query vectors c of
+ * lane groups [c0 / EXT_LANES, c0 / EXT_LANES + groups): each score's sum runs over the d
+ * elements in order, one fused multiply-add each, whatever lane or group its query vector
+ * lands in */
 static ALWAYS_INLINE void score_block(const float *qt, int64_t nqp, const float *kr, int64_t d,
                                       int64_t i0, int64_t c0, int groups, float *st) {
-    qv acc[KB][QVN];
-    for (int k = 0; k < KB; k++)
+    qv acc[EXT_KB][EXT_GROUPS];
+    for (int k = 0; k < EXT_KB; k++)
         for (int u = 0; u < groups; u++) acc[k][u] = qv_zero();
     for (int64_t j = 0; j < d; j++) {
-        qv q[QVN];
-        for (int u = 0; u < groups; u++) q[u] = qv_load(qt + j * nqp + c0 + u * QL);
-        for (int k = 0; k < KB; k++) {
+        qv q[EXT_GROUPS];
+        for (int u = 0; u < groups; u++) q[u] = qv_load(qt + j * nqp + c0 + u * EXT_LANES);
+        for (int k = 0; k < EXT_KB; k++) {
             const qv b = qv_set1(kr[(i0 + k) * d + j]);
             for (int u = 0; u < groups; u++) acc[k][u] = qv_fma(b, q[u], acc[k][u]);
         }
     }
-    for (int k = 0; k < KB; k++)
-        for (int u = 0; u < groups; u++) qv_store(st + (i0 + k) * nqp + c0 + u * QL, acc[k][u]);
+    for (int k = 0; k < EXT_KB; k++)
+        for (int u = 0; u < groups; u++)
+            qv_store(st + (i0 + k) * nqp + c0 + u * EXT_LANES, acc[k][u]);
 }
 
 /* score_block for `groups` lane groups, a constant for each call so its loops unroll */
@@ -145,7 +147,7 @@ static inline void score_groups(const float *qt, int64_t nqp, const float *kr, i
     switch (groups) {
     case 1: score_block(qt, nqp, kr, d, i0, c0, 1, st); break;
     case 2: score_block(qt, nqp, kr, d, i0, c0, 2, st); break;
-    default: score_block(qt, nqp, kr, d, i0, c0, QVN, st); break;
+    default: score_block(qt, nqp, kr, d, i0, c0, EXT_GROUPS, st); break;
     }
 }
 
@@ -243,7 +245,7 @@ static inline void add_weighted_rows_quad(float *const *acc, const float *w, int
 /* Scratch floats of one extend_task of up to nq query vectors of d: the queries dim-major, the
  * chunk's scores (then weights), its keys and values widened, the running max and sum and the
  * last position of each query vector, and its running sums. */
-static inline int64_t ext_lanes(int64_t nq) { return (nq + QL - 1) / QL * QL; }
+static inline int64_t ext_lanes(int64_t nq) { return (nq + EXT_LANES - 1) / EXT_LANES * EXT_LANES; }
 static inline int64_t ext_scratch_floats(int64_t nq, int64_t d) {
     const int64_t nqp = ext_lanes(nq);
     return nqp * d + EXT_KEYS * nqp + 2 * EXT_KEYS * d + 3 * nqp + nq * partial_width(d);
@@ -271,11 +273,11 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
                                const int32_t *table, float scale, float *scratch, float *part,
                                int64_t part_row_stride) {
     const int64_t row = hkv * d, nq = (r1 - r0) * group, nqp = ext_lanes(nq);
-    const int64_t pw = partial_width(d), groups = nqp / QL;
+    const int64_t pw = partial_width(d), groups = nqp / EXT_LANES;
     float *qt = scratch, *st = qt + nqp * d, *kr = st + EXT_KEYS * nqp, *vt = kr + EXT_KEYS * d;
     float *mx = vt + EXT_KEYS * d, *sum = mx + nqp, *lastf = sum + nqp, *run = lastf + nqp;
-    int64_t last[EXT_ROWS * MAX_GROUP + QL]; /* the last position each query vector sees */
-    float *acc[EXT_ROWS * MAX_GROUP + QL];
+    int64_t last[EXT_ROWS * MAX_GROUP + EXT_LANES]; /* the last position each query vector sees */
+    float *acc[EXT_ROWS * MAX_GROUP + EXT_LANES];
     for (int64_t v = 0; v < nqp; v++) {
         /* lanes past nq repeat the last query vector's position with a zero query: their
          * results are never read */
@@ -294,7 +296,7 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
     const qv scale_v = qv_set1(scale), neg_inf = qv_set1(-INFINITY), zero = qv_zero();
     for (int64_t p0 = begin; p0 < end; p0 += EXT_KEYS) {
         const int64_t n = end - p0 < EXT_KEYS ? end - p0 : EXT_KEYS;
-        const int64_t nk = (n + KB - 1) / KB * KB; /* keys scored: past n, zero rows */
+        const int64_t nk = (n + EXT_KB - 1) / EXT_KB * EXT_KB; /* keys scored: past n, zero rows */
         for (int64_t i = 0; i < n; i++) {
             const int64_t p = p0 + i;
             const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
@@ -306,19 +308,19 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
         if (nk > n) memset(kr + n * d, 0, (size_t)((nk - n) * d) * sizeof(float));
         /* groups before `first` see none of the chunk: positions ascend with the lanes */
         int64_t first = 0;
-        while (first < groups && last[first * QL + QL - 1] < p0) first++;
-        for (int64_t i0 = 0; i0 < nk; i0 += KB)
-            for (int64_t c = first; c < groups; c += QVN) {
-                const int take = groups - c < QVN ? (int)(groups - c) : QVN;
-                score_groups(qt, nqp, kr, d, i0, c * QL, take, st);
+        while (first < groups && last[first * EXT_LANES + EXT_LANES - 1] < p0) first++;
+        for (int64_t i0 = 0; i0 < nk; i0 += EXT_KB)
+            for (int64_t c = first; c < groups; c += EXT_GROUPS) {
+                const int take = groups - c < EXT_GROUPS ? (int)(groups - c) : EXT_GROUPS;
+                score_groups(qt, nqp, kr, d, i0, c * EXT_LANES, take, st);
             }
         for (int64_t c = first; c < groups; c++) {
-            const int64_t c0 = c * QL;
+            const int64_t c0 = c * EXT_LANES;
             const int full = last[c0] >= p0 + n - 1; /* every lane sees all of it */
             qv lim = zero;
             if (!full) { /* each lane's last visible key, counted from p0 */
-                _Alignas(64) float rel[QL];
-                for (int l = 0; l < QL; l++)
+                _Alignas(64) float rel[EXT_LANES];
+                for (int l = 0; l < EXT_LANES; l++)
                     rel[l] = (float)(last[c0 + l] - p0 < EXT_KEYS ? last[c0 + l] - p0 : EXT_KEYS);
                 lim = qv_load(rel);
             }
@@ -331,9 +333,9 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
             }
             /* lanes whose chunk max passes their running max by more than the slack move it,
              * rescaling what they hold (always on a lane's first chunk: m = -inf) */
-            _Alignas(64) float tops[QL];
+            _Alignas(64) float tops[EXT_LANES];
             qv_store(tops, top);
-            for (int l = 0; l < QL; l++) {
+            for (int l = 0; l < EXT_LANES; l++) {
                 const int64_t v = c0 + l;
                 if (!(tops[l] > mx[v] + EXT_SLACK)) continue;
                 const float correction = expf(mx[v] - tops[l]); /* 0 on the first chunk */
