@@ -152,21 +152,28 @@ def block_quant_matmul(
     to int8 per block of 32 first, as llama.cpp's decode does (csrc/q8_act.h; see
     :func:`q8_activations_fast` and :func:`block_quant_matmul_q8a_torch`).
     """
+    entry = "block_quant_matmul_q8a" if int8_activations else "block_quant_matmul"
+    return _run_matmul(entry, x, w, flags, f"block_quant_matmul rejected K = {w.shape[1]}")
+
+
+def _run_matmul(
+    entry: str, x: torch.Tensor, w: BlockQuantWeight, flags: tuple[str, ...], rejected: str
+) -> torch.Tensor:
+    """x @ W.T through the C entry point ``entry`` of the build with ``flags`` (they share one
+    signature); ``rejected`` is the ValueError's message when the kernel refuses."""
     _check(x, w)
     n, k = w.shape
     x2 = x.reshape(-1, k).contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if x2.shape[0]:
-        lib = load_library("block_quant_matmul.c", flags)
-        fn = lib.block_quant_matmul_q8a if int8_activations else lib.block_quant_matmul
-        rc = fn(
+        rc = getattr(load_library("block_quant_matmul.c", flags), entry)(
             ctypes.c_int(_KIND[w.kind]), _ptr(x2), _ptr(w.codes), _ptr(w.d), _ptr(w.m),
             _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
         )  # fmt: skip
         if rc == -3:
-            raise MemoryError("block_quant_matmul could not allocate its scratch memory")
+            raise MemoryError(f"{entry} could not allocate its scratch memory")
         if rc != 0:
-            raise ValueError(f"block_quant_matmul rejected K = {k}")
+            raise ValueError(rejected)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -183,20 +190,8 @@ def block_quant_matmul_amx(
     dequantized weights and x each split into three parts that add up to them exactly
     (csrc/amx_matmul.h): float32 accuracy in another summation order, so not the block kernel's
     bits. Raises ValueError where :func:`amx_ready` is False."""
-    _check(x, w)
-    n, k = w.shape
-    x2 = x.reshape(-1, k).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if x2.shape[0]:
-        rc = load_library("block_quant_matmul.c", flags).block_quant_matmul_amx(
-            ctypes.c_int(_KIND[w.kind]), _ptr(x2), _ptr(w.codes), _ptr(w.d), _ptr(w.m),
-            _ptr(out), ctypes.c_int64(x2.shape[0]), ctypes.c_int64(n), ctypes.c_int64(k),
-        )  # fmt: skip
-        if rc == -3:
-            raise MemoryError("block_quant_matmul_amx could not allocate its scratch memory")
-        if rc != 0:
-            raise ValueError("no AMX here (see amx_ready), or K is not a multiple of 32")
-    return out.reshape(*x.shape[:-1], n)
+    rejected = "no AMX here (see amx_ready), or K is not a multiple of 32"
+    return _run_matmul("block_quant_matmul_amx", x, w, flags, rejected)
 
 
 def q8_activations_fast(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
