@@ -1,4 +1,4 @@
-/* Prefill-sized block matmuls (17 to 32 rows of x: a new question after cached documents) on
+/* Prefill-sized block matmuls (17 to 256 rows of x: a new question after cached documents) on
  * AMX's bfloat16 tile products, to float32 accuracy.
  *
  * The block tiles (block_tiles.h) run float32 fused multiply-adds at their peak, about 100

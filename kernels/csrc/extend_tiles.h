@@ -243,12 +243,12 @@ static inline void add_weighted_rows_quad(float *const *acc, const float *w, int
 #endif
 
 /* Scratch floats of one extend_task of up to nq query vectors of d: the queries dim-major, the
- * chunk's scores (then weights), its keys and values widened, the running max and sum and the
- * last position of each query vector, and its running sums. */
+ * chunk's scores (then weights), its keys and values widened, each query vector's running max
+ * and sum, and its running sums. */
 static inline int64_t ext_lanes(int64_t nq) { return (nq + EXT_LANES - 1) / EXT_LANES * EXT_LANES; }
 static inline int64_t ext_scratch_floats(int64_t nq, int64_t d) {
     const int64_t nqp = ext_lanes(nq);
-    return nqp * d + EXT_KEYS * nqp + 2 * EXT_KEYS * d + 3 * nqp + nq * partial_width(d);
+    return nqp * d + EXT_KEYS * nqp + 2 * EXT_KEYS * d + 2 * nqp + nq * partial_width(d);
 }
 
 /* One task: query rows [r0, r1) of an extend whose row r sits at position prefix + r and sees
@@ -275,7 +275,7 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
     const int64_t row = hkv * d, nq = (r1 - r0) * group, nqp = ext_lanes(nq);
     const int64_t pw = partial_width(d), groups = nqp / EXT_LANES;
     float *qt = scratch, *st = qt + nqp * d, *kr = st + EXT_KEYS * nqp, *vt = kr + EXT_KEYS * d;
-    float *mx = vt + EXT_KEYS * d, *sum = mx + nqp, *lastf = sum + nqp, *run = lastf + nqp;
+    float *mx = vt + EXT_KEYS * d, *sum = mx + nqp, *run = sum + nqp;
     int64_t last[EXT_ROWS * MAX_GROUP + EXT_LANES]; /* the last position each query vector sees */
     float *acc[EXT_ROWS * MAX_GROUP + EXT_LANES];
     for (int64_t v = 0; v < nqp; v++) {
