@@ -6,7 +6,8 @@ prefix of p cached positions (the documents). Three ways to compute it, all read
 cache (SmolLM2-135M's shape: 9 query heads over 3 kv heads of 64):
 - ``sdpa``: what the torch backend does, and the C backend did before the tile kernel: gather
   the prefix's blocks, widen them to float32, then SDPA under a causal mask;
-- ``tiles``: cpu_ops.paged_extend_attention (csrc/extend_tiles.h), reading the cache in place;
+- ``tiles``: cpu_ops.paged_extend_attention, reading the cache in place (csrc/extend_tiles.h;
+  on AMX hosts csrc/extend_amx.h: the JSON's ``amx`` says which);
 - ``rows``: cpu_ops.paged_attention_rows, the decode kernel, one row at a time.
 
 With ``--against REV``, ``tiles`` and ``rows`` also run as built from kernels/csrc at git
@@ -192,6 +193,7 @@ def main() -> None:
     result = {
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block": BLOCK},
         "kv_dtype": "float16",
+        "amx": cpu_ops.extend_amx_ready(HEAD_DIM),
         "threads": args.threads,
         "repeats": args.repeats,
         "against": args.against,

@@ -298,11 +298,14 @@ def paged_extend_attention(
     ``block_tables`` [E, max_blocks] (int32), its own new K/V already written there. Writes
     those rows of ``out`` [T, Hq, D] (a new tensor when None) and returns it.
 
-    The same arithmetic as :func:`paged_attention_rows` per row, but rows share the reads: a
-    tile of up to 32 rows widens each chunk of 32 cached positions once and scores it as a small
-    matrix product (csrc/extend_tiles.h), where the per-row kernel rereads the whole prefix for
-    every row. Raises ValueError, reading nothing, for rows outside q, an empty extend or a
-    table that is too short or names a block the cache does not have.
+    The attention of :func:`paged_attention_rows` per row, to float32 accuracy, but rows share
+    the reads: a tile of up to 32 rows widens each chunk of 32 cached positions once and scores
+    it as a small matrix product (csrc/extend_tiles.h), where the per-row kernel rereads the
+    whole prefix for every row. On hosts with AMX (:func:`extend_amx_ready`), a float16 or
+    bfloat16 cache takes its bfloat16 tile products instead (csrc/extend_amx.h), still to
+    float32 accuracy. A row's result depends on that row alone. Raises ValueError, reading
+    nothing, for rows outside q, an empty extend or a table that is too short or names a block
+    the cache does not have.
     """
     num_ext = block_tables.shape[0] if block_tables.dim() == 2 else 0
     index = (("q_starts", q_starts, torch.int64), ("prefix_lens", prefix_lens, torch.int32))
@@ -334,6 +337,13 @@ def paged_extend_attention(
             f"{num_q_heads // num_kv_heads} and {head_dim} (or this build lacks {k_cache.dtype})"
         )
     return out
+
+
+def extend_amx_ready(head_dim: int) -> bool:
+    """True when :func:`paged_extend_attention` takes AMX for a 16-bit cache of ``head_dim``:
+    the build has it (an AMX-BF16 host), Linux lets the process use it, and ``head_dim`` is a
+    multiple of 32."""
+    return bool(build().extend_amx_ready(head_dim))  # an int: ctypes' default argument type
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

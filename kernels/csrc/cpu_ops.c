@@ -14,6 +14,7 @@
  * Tensors are row-major; a "stride" is the distance in floats between consecutive rows, so q and
  * k may be column slices of the fused qkv output.
  */
+#define _GNU_SOURCE /* syscall(), which asks Linux for the AMX tile state */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,6 +23,24 @@
 #include "extend_tiles.h"
 #include "paged_attention.h"
 #include "row_ops.h"
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__) &&                 \
+    !defined(EXT_NO_AMX)
+#include "extend_amx.h"
+#define EXT_AMX 1
+#else
+#define EXT_AMX 0
+#endif
+
+/* 1 when paged_extend_attention takes AMX (extend_amx.h) for a float16 or bfloat16 cache of
+ * head_dim d: this build has it, Linux lets the process use it, and d % 32 == 0 */
+int extend_amx_ready(int d) {
+#if EXT_AMX
+    return d % 32 == 0 && amx_permitted();
+#else
+    (void)d;
+    return 0;
+#endif
+}
 
 void rms_norm(const float *x, const float *residual, const float *weight, float eps,
               float *out, float *sum_out, int64_t rows, int64_t h) {
@@ -183,11 +202,17 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
         }
     float *parts = malloc((size_t)floats * sizeof(float));
     int failed = !parts;
+    const int amx = kv_kind != KV_F32 && extend_amx_ready(d);
+#if EXT_AMX
+    const size_t scratch_bytes = amx ? (size_t)xa_scratch_bytes(max_nq, d)
+                                     : (size_t)ext_scratch_floats(max_nq, d) * sizeof(float);
+#else
+    const size_t scratch_bytes = (size_t)ext_scratch_floats(max_nq, d) * sizeof(float);
+#endif
 #pragma omp parallel if (!failed)
     {
-        /* per thread: extend_task's scratch for the largest tile */
-        float *scratch =
-            failed ? NULL : malloc((size_t)ext_scratch_floats(max_nq, d) * sizeof(float));
+        /* per thread: the task's scratch for the largest tile (AMX's 64-byte aligned) */
+        void *scratch = failed ? NULL : aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
         const float *q_rows[EXT_ROWS];
         if (!scratch) {
 #pragma omp atomic write
@@ -209,10 +234,18 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
             const int64_t e = tl->e, rows = tl->r1 - tl->r0, stride = tl->splits * group * pw;
             for (int64_t r = tl->r0; r < tl->r1; r++)
                 q_rows[r - tl->r0] = q + (q_starts[e] + r) * q_stride;
+            float *part = parts + tl->part + (g * rows * tl->splits + s) * group * pw;
+#if EXT_AMX
+            if (amx) {
+                extend_task_amx(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
+                                (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
+                                block_tables + e * max_blocks, scale, scratch, part, stride);
+                continue;
+            }
+#endif
             extend_task(q_rows, tl->r0, tl->r1, prefix_lens[e], g, group, s * EXT_SPLIT,
                         (s + 1) * EXT_SPLIT, k_cache, v_cache, kv_kind, hkv, d, bs,
-                        block_tables + e * max_blocks, scale, scratch,
-                        parts + tl->part + (g * rows * tl->splits + s) * group * pw, stride);
+                        block_tables + e * max_blocks, scale, scratch, part, stride);
         }
         free(scratch);
 #pragma omp barrier

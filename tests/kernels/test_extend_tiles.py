@@ -1,7 +1,7 @@
 """The C tile kernel for extends after a cached prefix (csrc/extend_tiles.h) against naive float64
-causal attention, on each path it is compiled for (AVX-512 where the host has it, AVX2, portable
-C), and the claim it makes: a row's result depends on that row alone, not on the tile, the
-other extends of the call or the thread count."""
+causal attention, on each path it is compiled for (AMX for 16-bit caches and AVX-512 where the
+host has them, AVX2, portable C), and the claim it makes: a row's result depends on that row
+alone, not on the tile, the other extends of the call or the thread count."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from prefixrag.kernels import cpu_ops
+from prefixrag.kernels.native_build import DEFAULT_FLAGS
 from tests.kernels.paged_batch import make_paged_batch, naive_attention
-from tests.kernels.test_block_quant_matmul import ALL_FLAGS as PATHS
+from tests.kernels.test_block_quant_matmul import ALL_FLAGS, host_cpu_flags
 from tests.kernels.test_paged_attention_paths import SHAPES
+
+# on an AMX host the native build takes AMX for float16 and bfloat16 caches (csrc/extend_amx.h):
+# "no-amx" is the same build with the AVX-512 fused multiply-adds instead
+PATHS = {**ALL_FLAGS, "no-amx": (*DEFAULT_FLAGS, "-DEXT_NO_AMX")}
 
 
 @pytest.fixture(params=list(PATHS), ids=list(PATHS))
@@ -81,7 +86,7 @@ def test_odd_block_sizes_and_a_long_extend_match_naive(block_size):
     )
 
 
-def test_a_row_gets_the_same_bits_whatever_shares_its_call():
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(path):
     # the last 40 rows of an extend of 75 after 600 cached, computed (a) as part of that
     # extend beside another extend, (b) as their own extend of 40 after 635, (c) one row at a
     # time; and with one thread or two
@@ -169,3 +174,32 @@ def test_scores_that_climb_far_past_the_running_max_match_naive(path):
     expected = expected_rows(batch, q, [prefix], [n], 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_amx_is_taken_where_the_host_has_it():
+    # else the tests above would check the fused multiply-adds twice and AMX never
+    has_amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= host_cpu_flags()
+    assert cpu_ops.extend_amx_ready(64) == has_amx
+    assert not cpu_ops.build(PATHS["no-amx"]).extend_amx_ready(64)
+    if has_amx:
+        assert not cpu_ops.extend_amx_ready(48)  # head_dim must be a multiple of 32
+
+
+@pytest.mark.skipif(not cpu_ops.extend_amx_ready(64), reason="the host has no AMX-BF16")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_amx_and_fused_multiply_adds_agree_to_float32(dtype, monkeypatch):
+    # one extend over a long prefix, crossing splits and tiles, and a short one; wide scores
+    # (|s| up to ~30). The builds sum in different orders: they agree to float32's rounding.
+    prefixes, news = [1100, 40], [70, 9]
+    lens = [p + n for p, n in zip(prefixes, news, strict=True)]
+    batch = make_paged_batch(lens, 3, 64, 16, dtype=dtype)
+    q = torch.randn(sum(news), 9, 64, generator=torch.Generator().manual_seed(9))
+    scale = 4.0 * 64**-0.5
+    outs, libs = {}, {name: cpu_ops.build(PATHS[name]) for name in ("native", "no-amx")}
+    for name, lib in libs.items():
+        monkeypatch.setattr(cpu_ops, "build", lambda lib=lib: lib)
+        outs[name] = run_extends(batch, q, prefixes, news, scale)
+    assert not torch.equal(outs["native"], outs["no-amx"])  # two kernels ran, not one twice
+    torch.testing.assert_close(outs["native"], outs["no-amx"], atol=2e-5, rtol=2e-5)
+    expected = expected_rows(batch, q, prefixes, news, scale)
+    torch.testing.assert_close(outs["native"].double(), expected, atol=2e-5, rtol=2e-5)
