@@ -96,6 +96,35 @@ static inline void xa_widen(const void *cache, int32_t kind, int64_t p0, int64_t
     }
 }
 
+/* C tiles 0 to 3 zeroed: the four accumulators of xa_scores and xa_weighted_values */
+static inline void xa_zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* C tiles 0 and 1, and 2 and 3 when `four`, to dst, 256 floats (a tile) apart */
+static inline void xa_store_c(float *dst, int four) {
+    _tile_stored(0, dst, 64);
+    _tile_stored(1, dst + 256, 64);
+    if (four) {
+        _tile_stored(2, dst + 512, 64);
+        _tile_stored(3, dst + 768, 64);
+    }
+}
+
+/* M(j) for C tiles 0 and 1, and 2 and 3 when `four` (a tile index must be a constant) */
+#define XA_EACH_C(M)                                                                             \
+    do {                                                                                         \
+        M(0);                                                                                    \
+        M(1);                                                                                    \
+        if (four) {                                                                              \
+            M(2);                                                                                \
+            M(3);                                                                                \
+        }                                                                                        \
+    } while (0)
+
 /* scores of key tile kt + j (C tile j) for dim chunk c, the queries' three parts in tiles 4
  * to 6; a bfloat16 cache's keys have no low part */
 #define XA_SCORES(j)                                                                             \
@@ -118,27 +147,14 @@ static inline void xa_scores(const uint8_t *qb, const uint8_t *ka, int64_t chunk
                              int low, float *st) {
     for (int64_t kt = 0; kt < chunks * 2; kt += 4) {
         const int four = chunks * 2 - kt >= 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        xa_zero_c();
         for (int64_t c = 0; c < dc; c++) {
             _tile_loadd(4, qb + c * XA_QPARTS * XA_TILE, 64); /* the queries' parts */
             _tile_loadd(5, qb + (c * XA_QPARTS + 1) * XA_TILE, 64);
             _tile_loadd(6, qb + (c * XA_QPARTS + 2) * XA_TILE, 64);
-            XA_SCORES(0);
-            XA_SCORES(1);
-            if (four) {
-                XA_SCORES(2);
-                XA_SCORES(3);
-            }
+            XA_EACH_C(XA_SCORES);
         }
-        _tile_stored(0, st + kt * 256, 64);
-        _tile_stored(1, st + (kt + 1) * 256, 64);
-        if (four) {
-            _tile_stored(2, st + (kt + 2) * 256, 64);
-            _tile_stored(3, st + (kt + 3) * 256, 64);
-        }
+        xa_store_c(st + kt * 256, four);
     }
 }
 
@@ -255,27 +271,14 @@ static inline void xa_weighted_values(const __m512i *pb, const uint8_t *va, int6
                                       int64_t d, int v_low, float *ot) {
     const int64_t blocks = d / 16;
     for (int64_t db0 = 0; db0 < blocks; db0 += 4) {
-        const int64_t four = blocks - db0 >= 4;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        const int four = blocks - db0 >= 4;
+        xa_zero_c();
         for (int64_t kc = 0; kc < chunks; kc++) {
             _tile_loadd(4, pb + kc * 32, 64);      /* the weights' high part */
             _tile_loadd(5, pb + kc * 32 + 16, 64); /* their low part */
-            XA_VALUES(0);
-            XA_VALUES(1);
-            if (four) {
-                XA_VALUES(2);
-                XA_VALUES(3);
-            }
+            XA_EACH_C(XA_VALUES);
         }
-        _tile_stored(0, ot + db0 * 256, 64);
-        _tile_stored(1, ot + (db0 + 1) * 256, 64);
-        if (four) {
-            _tile_stored(2, ot + (db0 + 2) * 256, 64);
-            _tile_stored(3, ot + (db0 + 3) * 256, 64);
-        }
+        xa_store_c(ot + db0 * 256, four);
     }
 }
 
@@ -349,6 +352,7 @@ static inline void extend_task_amx(const float *const *q_rows, int64_t r0, int64
     _tile_release();
 }
 
+#undef XA_EACH_C
 #undef XA_SCORES
 #undef XA_VALUES
 #endif
