@@ -3,6 +3,17 @@
  * Used by amx_matmul.h (block matmuls) and extend_amx.h (extend attention). */
 #ifndef PREFIXRAG_AMX_TILES_H
 #define PREFIXRAG_AMX_TILES_H
+
+/* 1 when this build may use AMX-BF16 (the compiler targets it, and Linux, which hands out the
+ * tile state); the rest of this header, and the kernels built on it, exist only then. Any
+ * source may include this header to ask. */
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define AMX_BUILD 1
+#else
+#define AMX_BUILD 0
+#endif
+
+#if AMX_BUILD
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -80,4 +91,5 @@ static inline void transpose16(__m512i *v) {
     }
 }
 
+#endif /* AMX_BUILD */
 #endif

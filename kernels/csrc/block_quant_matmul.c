@@ -92,14 +92,14 @@ int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const fl
     return 0;
 }
 
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include "amx_tiles.h"
+#if AMX_BUILD
 #include "amx_matmul.h"
-#define BQ_AMX 1
 #endif
 
 /* 1 when this build has the AMX path (amx_matmul.h) and the kernel lets the process use AMX */
 int block_quant_amx_ready(void) {
-#if defined(BQ_AMX)
+#if AMX_BUILD
     return amx_permitted();
 #else
     return 0;
@@ -111,7 +111,7 @@ int block_quant_amx_ready(void) {
  * has no AMX, or for a bad K or kind, -3 if scratch memory could not be had. */
 int block_quant_matmul_amx(int kind, const float *x, const void *codes, const float *d,
                            const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
-#if defined(BQ_AMX)
+#if AMX_BUILD
     if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind) || !amx_permitted()) return -1;
     /* per thread: 16 weight rows' parts */
     const int64_t per_thread = k / AMX_CHUNK * AMX_PARTS * 1024;

@@ -23,8 +23,8 @@
 #include "extend_tiles.h"
 #include "paged_attention.h"
 #include "row_ops.h"
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__) &&                 \
-    !defined(EXT_NO_AMX)
+#include "amx_tiles.h"
+#if AMX_BUILD && !defined(EXT_NO_AMX) /* EXT_NO_AMX: the fused multiply-adds on an AMX host */
 #include "extend_amx.h"
 #define EXT_AMX 1
 #else
@@ -203,11 +203,9 @@ int paged_extend_attention(const float *q, int64_t q_stride, const void *k_cache
     float *parts = malloc((size_t)floats * sizeof(float));
     int failed = !parts;
     const int amx = kv_kind != KV_F32 && extend_amx_ready(d);
+    size_t scratch_bytes = (size_t)ext_scratch_floats(max_nq, d) * sizeof(float);
 #if EXT_AMX
-    const size_t scratch_bytes = amx ? (size_t)xa_scratch_bytes(max_nq, d)
-                                     : (size_t)ext_scratch_floats(max_nq, d) * sizeof(float);
-#else
-    const size_t scratch_bytes = (size_t)ext_scratch_floats(max_nq, d) * sizeof(float);
+    if (amx) scratch_bytes = (size_t)xa_scratch_bytes(max_nq, d);
 #endif
 #pragma omp parallel if (!failed)
     {

@@ -90,7 +90,7 @@ static inline void xa_widen(const void *cache, int32_t kind, int64_t p0, int64_t
             memset(r, 0, (size_t)d * sizeof(float));
             continue;
         }
-        const int64_t p = p0 + i, at = ((int64_t)table[p / bs] * bs + p % bs) * hkv * d + g * d;
+        const int64_t at = paged_slot(table, p0 + i, bs) * hkv * d + g * d;
         const float *src = kv_load(cache, kind, at, d, r);
         if (src != r) memcpy(r, src, (size_t)d * sizeof(float));
     }

@@ -299,7 +299,7 @@ static inline void extend_task(const float *const *q_rows, int64_t r0, int64_t r
         const int64_t nk = (n + EXT_KB - 1) / EXT_KB * EXT_KB; /* keys scored: past n, zero rows */
         for (int64_t i = 0; i < n; i++) {
             const int64_t p = p0 + i;
-            const int64_t at = ((int64_t)table[p / bs] * bs + p % bs) * row + g * d;
+            const int64_t at = paged_slot(table, p, bs) * row + g * d;
             const float *k = kv_load(k_cache, kind, at, d, kr + i * d);
             if (k != kr + i * d) memcpy(kr + i * d, k, (size_t)d * sizeof(float));
             const float *v = kv_load(v_cache, kind, at, d, vt + i * d);

@@ -89,6 +89,11 @@ static inline void f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
     }
 }
 
+/* the slot (block * bs + offset) holding position p of a sequence whose block table is table */
+static inline int64_t paged_slot(const int32_t *table, int64_t p, int64_t bs) {
+    return (int64_t)table[p / bs] * bs + p % bs;
+}
+
 /* n elements at element offset `at` of a cache, as float32: the row itself for a float32
  * cache, otherwise widened into buf (n floats) and buf returned */
 static inline const float *kv_load(const void *cache, int32_t kind, int64_t at, int64_t n,
