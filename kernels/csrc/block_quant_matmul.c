@@ -113,8 +113,9 @@ int block_quant_matmul_amx(int kind, const float *x, const void *codes, const fl
                            const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
 #if AMX_BUILD
     if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind) || !amx_permitted()) return -1;
-    /* per thread: 16 weight rows' parts */
-    const int64_t per_thread = k / AMX_CHUNK * AMX_PARTS * 1024;
+    /* per thread: 16 weight rows' parts, and at least two chunks' (amx_matmul_for) */
+    const int64_t chunks = k / AMX_CHUNK > 2 ? k / AMX_CHUNK : 2;
+    const int64_t per_thread = chunks * AMX_PARTS * 1024;
     const int64_t threads = omp_get_max_threads();
     uint8_t *xbuf = aligned_alloc(64, (size_t)amx_x_bytes(rows, k));
     uint8_t *scratch = aligned_alloc(64, (size_t)(threads * per_thread));

@@ -41,11 +41,13 @@ def relative_error(got: torch.Tensor, x: torch.Tensor, w: BlockQuantWeight) -> f
 @needs_amx
 @pytest.mark.parametrize("kind", ["q4", "q8", "q8_16", "q8m"])
 @pytest.mark.parametrize(
-    ("rows", "n", "k"), [(17, 48, 576), (32, 50, 96), (33, 16, 32), (64, 35, 1536)]
+    ("rows", "n", "k"),
+    [(17, 48, 576), (32, 50, 96), (20, 24, 32), (33, 16, 32), (64, 35, 1536)],
 )
 def test_every_kind_matches_float64_to_float32_accuracy(kind, rows, n, k):
-    # rows past one tile and past a pair of tiles, weight rows past whole tiles of 16, one chunk
-    # of K and many; x over four decades, so every part of it matters
+    # rows past one tile and past a pair of tiles (up to a pair, each chunk is packed as the
+    # products reach it; past it, a panel's chunks first), weight rows past whole tiles of 16,
+    # one chunk of K and many; x over four decades, so every part of it matters
     w = random_weight(kind, n, k, seed=rows + n)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, k)
@@ -60,8 +62,8 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call_and_however_many_thre
     w = random_weight("q4", 70, 192, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(40, 192, generator=gen)
-    whole = block_quant_matmul_amx(x, w)
-    assert torch.equal(block_quant_matmul_amx(x[7:27], w), whole[7:27])
+    whole = block_quant_matmul_amx(x, w)  # two pairs of tiles: the panel packed first
+    assert torch.equal(block_quant_matmul_amx(x[7:27], w), whole[7:27])  # one: chunk by chunk
     assert torch.equal(block_quant_matmul_amx(x[21:], w), whole[21:])
     threads = torch.get_num_threads()
     try:
