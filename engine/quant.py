@@ -57,7 +57,9 @@ TILE_KERNEL_MAX_ROWS = 32
 # float64 than MKL's float32 GEMM), but not a decode step's bits, as the GEMM's. SmolLM2-135M
 # Q4_1's layer matrices, 2 threads, 2-core Xeon, interleaved (bench/prefill_matmul_bench.py and
 # session notes): against the GEMM 0.79x at 32 rows (the tiles 0.94x), 0.69x at 64, 0.73x at
-# 128, 0.92x at 560 and 1.28x at 2,080, where x no longer fits in L2.
+# 128, 0.92x at 560 and 1.28x at 2,080, where x no longer fits in L2. Since each chunk up to 32
+# rows is packed as the products reach it (amx_matmul_for): 0.55x at 32, 0.61x at 64 and 0.65x
+# at 128 (bench/results/prefill_matmul_bench.json).
 AMX_MAX_ROWS = 256
 INT8_MAX = 127
 # NOTE: torch 2.13's CPU kernel returns garbage or segfaults unless the reduction dimension is a
