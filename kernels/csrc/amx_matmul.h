@@ -90,8 +90,8 @@ static inline void amx_panel_at(int kind, const void *codes, const float *d, con
 /* A q4 block's 32 weights (byte j of codes: element j in its low nibble, j + 16 in its high
  * one) in three bfloat16 parts, part s at out[s * AMX_ROWS]. A block holds at most 16 values,
  * fl(d * c + m) for codes c = 0..15 (block_pieces' table), so the table is split into parts
- * once and each part looked up by code: a third of split_bf16's work on 32 weights, with the
- * same parts. */
+ * once and each part looked up by code: split_bf16's steps on 16 values, not 32, and no
+ * gathering of words, for the same parts. */
 static inline void q4_block_parts(const uint8_t *codes, float d, float m, __m512i *out) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
@@ -132,12 +132,13 @@ static inline void amx_pack_chunk(int kind, const amx_panel *p, int64_t c, __m51
  * aligned). Ends with the loop's barrier.
  *
  * Up to 32 rows of x (one tile pair: a new question after cached documents) a panel's chunks
- * are packed as the products reach them, into two 3 KB buffers in turn: the parts stay in L1
- * rather than a whole panel's 54 to 144 KB, and a chunk's packing runs beside the tile unit's
- * products on the chunk before. Interleaved in one process, SmolLM2-135M Q4_1's layer
- * matrices at 32 rows took 0.77 to 0.82 of the time of a panel packed first (with the code
- * lookup of q4_block_parts; either alone: 1.00, 1.05). Past 32 rows the panel is packed once
- * for every pair. */
+ * are packed as the products reach them, into two 3 KB buffers in turn, so the parts the tile
+ * loads read are in L1 rather than in a whole panel's 54 to 144 KB. Interleaved in one process,
+ * SmolLM2-135M Q4_1's layer matrices at 32 rows took 0.77 to 0.82 of the time of a panel packed
+ * first, with the code lookup of q4_block_parts; either change alone took 1.00 and 1.05, and
+ * why they need each other is not pinned down (the packing and the products, each timed with
+ * the other left out, add up to the whole: they barely overlap). Past 32 rows the panel is
+ * packed once for every pair. */
 static inline void amx_matmul_for(int kind, const uint8_t *xbuf, const void *codes,
                                   const float *d, const float *m, float *out, int64_t rows,
                                   int64_t n, int64_t k, __m512i *wp) {
