@@ -304,6 +304,13 @@ static inline void extend_task_amx(const float *const *q_rows, int64_t r0, int64
     xa_pack_queries(q_rows, nq, g, group, d, qb);
     for (int64_t kc = 0; kc < chunks; kc++) {
         const int64_t m = n - kc * XA_KEYS < XA_KEYS ? n - kc * XA_KEYS : XA_KEYS;
+        /* the next chunk's rows, while this one is widened and packed. The widening's loads
+         * were a quarter of this kernel's samples; the warm TTFT (32 tokens after 2,048,
+         * SmolLM2-135M, float16 cache) took 0.974 and 0.976 of its time without it, one engine,
+         * builds interleaved (a chunk or two ahead alike) */
+        const int64_t next = begin + (kc + 1) * XA_KEYS;
+        const int64_t stop = next + XA_KEYS < begin + n ? next + XA_KEYS : begin + n;
+        kv_prefetch_rows(k_cache, v_cache, kind, next, stop, g, hkv, d, bs, table);
         xa_widen(k_cache, kind, begin + kc * XA_KEYS, m, g, hkv, d, bs, table, rows);
         xa_pack_keys(rows, kc, d, ka);
         xa_widen(v_cache, kind, begin + kc * XA_KEYS, m, g, hkv, d, bs, table, rows);

@@ -94,6 +94,22 @@ static inline int64_t paged_slot(const int32_t *table, int64_t p, int64_t bs) {
     return (int64_t)table[p / bs] * bs + p % bs;
 }
 
+/* Asks for the K and V rows of kv head g at positions p0 .. p1 - 1 to be brought into cache:
+ * a head's rows lie hkv * d elements apart, in blocks the table scatters, and after thousands
+ * of cached positions over every layer they are no longer in L2 when an extend reads them. */
+static inline void kv_prefetch_rows(const void *k_cache, const void *v_cache, int32_t kind,
+                                    int64_t p0, int64_t p1, int64_t g, int64_t hkv, int64_t d,
+                                    int64_t bs, const int32_t *table) {
+    const int64_t elem = kind == KV_F32 ? 4 : 2;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t at = (paged_slot(table, p, bs) * hkv + g) * d * elem;
+        for (int64_t b = 0; b < d * elem; b += 64) {
+            __builtin_prefetch((const char *)k_cache + at + b, 0, 3);
+            __builtin_prefetch((const char *)v_cache + at + b, 0, 3);
+        }
+    }
+}
+
 /* n elements at element offset `at` of a cache, as float32: the row itself for a float32
  * cache, otherwise widened into buf (n floats) and buf returned */
 static inline const float *kv_load(const void *cache, int32_t kind, int64_t at, int64_t n,
