@@ -21,20 +21,17 @@ them the median of the repeats' own ratios: a kernel change measured in one proc
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
-import subprocess
-import tarfile
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.revision_build import built_at
 from prefixrag.engine.attention.sdpa import ROW_GROUP, extend_sdpa
-from prefixrag.kernels import cpu_ops, native_build
+from prefixrag.kernels import cpu_ops
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -103,21 +100,7 @@ class Case:
 
 def library_at(rev: str):
     """cpu_ops as built from kernels/csrc at git revision ``rev`` of this checkout."""
-    repo = Path(__file__).resolve().parents[1]
-    archive = subprocess.run(
-        ["git", "archive", rev, "kernels/csrc"], cwd=repo, capture_output=True, check=True
-    ).stdout
-    where = Path(tempfile.mkdtemp(prefix="csrc-"))
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(where, filter="data")
-    saved = native_build.CSRC
-    native_build.CSRC = where / "kernels" / "csrc"
-    native_build.load_library.cache_clear()
-    try:
-        return cpu_ops.build.__wrapped__()  # past build's cache, which holds today's library
-    finally:
-        native_build.CSRC = saved
-        native_build.load_library.cache_clear()
+    return built_at(rev, cpu_ops.build.__wrapped__)  # past build's cache: today's library
 
 
 def run_with(lib, fn: Callable[[], None]) -> Callable[[], None]:

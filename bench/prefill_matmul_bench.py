@@ -15,10 +15,14 @@ once at load (engine/packed_gemm.py), which every prefill of more than 16 rows t
   32 rows through the GEMM, the tiles and (with AMX) AMX's products in turn, each prompt's 32
   tokens new.
 
+With ``--against REV`` (hosts with AMX), the AMX products as built from the kernels of git
+revision REV are timed beside today's in the same sweeps: a change to csrc/amx_matmul.h measured
+in one process, ``amx_over_against`` being the median of each repeat's own ratio.
+
 Writes JSON and a PNG, and prints a summary::
 
     python -m bench.prefill_matmul_bench [--threads 2] [--repeats 9] [--rows 16,32,...]
-        [--out PATH.json]
+        [--against REV] [--out PATH.json]
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from bench.engine_bench import (
     fresh_scope,
     pin_threads,
 )
+from bench.revision_build import built_at
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine import quant
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.packed_gemm import pack_weight, packed_linear
+from prefixrag.kernels import block_quant_matmul as bqm
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     amx_ready,
@@ -98,6 +104,22 @@ if amx_ready():
     KERNELS["amx"] = amx
 
 
+def amx_at(rev: str):
+    """The amx kernel with block_quant_matmul calling into the library built from
+    kernels/csrc at git revision ``rev``."""
+    lib = built_at(rev, lambda: bqm.load_library("block_quant_matmul.c"))
+
+    def run(x, block, dense):
+        saved = bqm.load_library
+        bqm.load_library = lambda source, flags=DEFAULT_FLAGS: lib
+        try:
+            return block_quant_matmul_amx(x, block)
+        finally:
+            bqm.load_library = saved
+
+    return run
+
+
 def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
     weights = layer_weights(engine)
     gen = torch.Generator().manual_seed(0)
@@ -126,6 +148,11 @@ def bench_matmuls(engine, repeats: int, row_counts: tuple[int, ...]) -> dict:
             ratios = [a / g for a, g in zip(samples[name], samples["gemm"], strict=True)]
             cell[f"{name}_over_gemm"] = statistics.median(ratios)
             cell[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
+        against = [name for name in names if name.startswith("amx@")]
+        if against:
+            ratios = [a / b for a, b in zip(samples["amx"], samples[against[0]], strict=True)]
+            cell["amx_over_against"] = statistics.median(ratios)
+            cell["amx_over_against_range"] = [min(ratios), max(ratios)]
         out[str(rows)] = cell
     return {"matrices": len(weights), "rows": out}
 
@@ -205,12 +232,19 @@ def main() -> None:
     parser.add_argument(
         "--rows", default=",".join(map(str, ROWS)), help="comma-separated rows of x to time"
     )
+    parser.add_argument(
+        "--against", metavar="REV", help="also time the AMX kernel of git revision REV"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill_matmul_bench.json")
     args = parser.parse_args()
     pin_threads(args.threads)
     if not tile_min_rows():
         print("this build has no block tiles (they need AVX-512): nothing to compare")
         sys.exit(0)
+    if args.against:
+        if "amx" not in KERNELS:
+            sys.exit("--against times the AMX kernel, and this host or build has no AMX")
+        KERNELS[f"amx@{args.against}"] = amx_at(args.against)
     settings = get_settings()
     config = EngineConfig(
         model=str(packaged_llm_path()),
@@ -225,6 +259,7 @@ def main() -> None:
         "threads": args.threads,
         "tile_kernel_max_rows": quant.TILE_KERNEL_MAX_ROWS,
         "amx_max_rows": quant.AMX_MAX_ROWS if amx_ready() else None,
+        "against": args.against,
         "matmuls": bench_matmuls(engine, args.repeats, tuple(int(r) for r in args.rows.split(","))),
         "warm_ttft": bench_warm(engine, args.repeats),
     }
@@ -240,6 +275,10 @@ def main() -> None:
             for n in names[1:]
         )
         print(f"{rows:>5} " + " ".join(f"{cell[n + '_ms']:9.1f}" for n in names) + f"   {ratios}")
+        if "amx_over_against" in cell:
+            low, high = cell["amx_over_against_range"]
+            print(f"      amx over amx@{args.against}: {cell['amx_over_against']:.3f} "
+                  f"({low:.3f}-{high:.3f})")  # fmt: skip
     warm = result["warm_ttft"]
     ways = ", ".join(f"{n} {warm[n + '_ms']:.1f} ms" for n in warm["samples_ms"])
     ratios = ", ".join(
