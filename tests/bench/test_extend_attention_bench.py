@@ -9,6 +9,7 @@ import torch
 
 from bench import extend_attention_bench as bench
 from prefixrag.kernels import cpu_ops, native_build
+from tests.bench.helpers import RecordingLibrary
 
 
 def test_a_revisions_kernels_run_beside_todays_and_leave_them_in_place():
@@ -34,18 +35,7 @@ def test_an_unknown_revision_is_refused():
 
 
 def test_run_with_routes_the_kernel_call_to_the_library_given():
-    class Recorder:  # stands in for a ctypes library: records which entry point was called
-        def __init__(self):
-            self.calls = []
-
-        def __getattr__(self, name):
-            def entry(*args):
-                self.calls.append(name)
-                return 0
-
-            return entry
-
-    lib, build = Recorder(), cpu_ops.build
+    lib, build = RecordingLibrary(), cpu_ops.build
     bench.run_with(lib, bench.Case(64, 8).tiles)()
     assert lib.calls == ["paged_extend_attention"]
     assert cpu_ops.build is build

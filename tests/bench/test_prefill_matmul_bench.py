@@ -11,6 +11,7 @@ import torch
 
 from prefixrag.engine import quant
 from prefixrag.kernels.block_quant_matmul import amx_ready, tile_min_rows
+from tests.bench.helpers import RecordingLibrary
 
 
 @pytest.mark.slow
@@ -65,18 +66,7 @@ def test_amx_at_routes_the_kernel_call_to_the_revisions_library(monkeypatch):
     from prefixrag.kernels import block_quant_matmul as bqm
     from prefixrag.kernels.block_quant_matmul import BlockQuantWeight
 
-    class Recorder:  # stands in for a ctypes library: records which entry point was called
-        def __init__(self):
-            self.calls = []
-
-        def __getattr__(self, name):
-            def entry(*args):
-                self.calls.append(name)
-                return 0
-
-            return entry
-
-    lib, load = Recorder(), bqm.load_library
+    lib, load = RecordingLibrary(), bqm.load_library
     monkeypatch.setattr(bench, "built_at", lambda rev, build: lib)
     w = BlockQuantWeight(
         "q4", torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
