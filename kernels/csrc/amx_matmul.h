@@ -94,7 +94,6 @@ static inline void amx_panel_at(int kind, const void *codes, const float *d, con
  * gathering of words, for the same parts. */
 static inline void q4_block_parts(const uint8_t *codes, float d, float m, __m512i *out) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
     __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)codes));
     const __m256i low4 = _mm256_set1_epi16(15);
@@ -103,8 +102,7 @@ static inline void q4_block_parts(const uint8_t *codes, float d, float m, __m512
     /* the 16-bit word 2c + 1 of the table: code c's float, its top half */
     const __m512i word = _mm512_or_si512(_mm512_slli_epi16(code, 1), _mm512_set1_epi16(1));
     for (int s = 0; s < AMX_PARTS; s++) { /* split_bf16's steps, on the table */
-        const __m512i part =
-            _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(table), half), top);
+        const __m512i part = bf16_top(table);
         out[s * AMX_ROWS] = _mm512_permutexvar_epi16(word, part);
         table = _mm512_sub_ps(table, _mm512_castsi512_ps(part));
     }

@@ -46,22 +46,25 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* each float of v rounded to its top 16 bits (half up), low 16 bits zero: a bfloat16 in the
+ * top half of each word, and exact to subtract from v */
+static inline __m512i bf16_top(__m512 v) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
+    return _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(v), half), top);
+}
+
 /* 32 floats (lo: elements 0-15, hi: 16-31) into `parts` bfloat16 vectors of 32, each what the
  * ones before it left, rounded to its top 16 bits (half up; what is left is exact in float32,
  * at most 2^-8 of what was there). Three parts add up to a float32 exactly (3 x 8 bits hold its
  * 24); two leave at most 2^-16 of it. */
 static inline void split_bf16(__m512 lo, __m512 hi, __m512i *out, int parts) {
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
     /* the odd 16-bit words (each float's top half) of lo, then of hi */
     static const uint16_t odd_words[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
                                            23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
                                            45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
     const __m512i odd = _mm512_loadu_si512(odd_words);
     for (int p = 0; p < parts; p++) {
-        const __m512i lo_top =
-            _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(lo), half), top);
-        const __m512i hi_top =
-            _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(hi), half), top);
+        const __m512i lo_top = bf16_top(lo), hi_top = bf16_top(hi);
         out[p] = _mm512_permutex2var_epi16(lo_top, odd, hi_top);
         lo = _mm512_sub_ps(lo, _mm512_castsi512_ps(lo_top));
         hi = _mm512_sub_ps(hi, _mm512_castsi512_ps(hi_top));

@@ -69,10 +69,8 @@ static inline int64_t xa_scratch_bytes(int64_t nq, int64_t d) {
 /* 16 floats each of a and b in two rounded bfloat16 parts, interleaved as AMX's pairs: word j
  * of part s holds a[j]'s part in its low half, b[j]'s in its high half */
 static inline void xa_pair_parts(__m512 a, __m512 b, __m512i *out) {
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), half = _mm512_set1_epi32(0x8000);
     for (int s = 0; s < 2; s++) {
-        const __m512i at = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(a), half), top);
-        const __m512i bt = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(b), half), top);
+        const __m512i at = bf16_top(a), bt = bf16_top(b);
         out[s] = _mm512_or_si512(_mm512_srli_epi32(at, 16), bt);
         a = _mm512_sub_ps(a, _mm512_castsi512_ps(at));
         b = _mm512_sub_ps(b, _mm512_castsi512_ps(bt));
