@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from prefixrag.engine.attention.backend import AttentionBackend
 from prefixrag.engine.attention.metadata import AttentionMetadata
 from prefixrag.engine.model import ForwardContext, LlamaModel
+from prefixrag.engine.quant import embedding
 from prefixrag.engine.reuse_plan import ReuseHit
 
 
@@ -196,7 +196,7 @@ def blend_forward(
         raise ValueError("the last new token must be computed: it gives the logits")
     select_layer = min(select_layer, len(model.layers) - 1)
     rope = model.make_rope(model.cos_sin_cache, positions)
-    x = F.embedding(input_ids, model.embed_weight)
+    x = embedding(input_ids, model.embed_weight)
     residual: torch.Tensor | None = None
     for layer in model.layers[:select_layer]:
         x, residual = layer(x, residual, rope, ctx)

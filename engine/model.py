@@ -28,7 +28,7 @@ from prefixrag.engine.attention.backend import (
 )
 from prefixrag.engine.attention.metadata import AttentionMetadata
 from prefixrag.engine.model_config import ModelConfig, RopeScaling
-from prefixrag.engine.quant import linear
+from prefixrag.engine.quant import embedding, linear
 
 
 @dataclass(slots=True)
@@ -256,7 +256,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden], before the final norm
         rope = self.make_rope(self.cos_sin_cache, positions)
-        x = F.embedding(input_ids, self.embed_weight)
+        x = embedding(input_ids, self.embed_weight)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)

@@ -43,6 +43,7 @@ from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
 from prefixrag.engine.quant import (
+    embedding,
     keep_dense_block_weights_,
     quantize_model_,
     resolve_weight_quant,
@@ -402,7 +403,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         if self.decode_stack is not None and num_decode == len(token_ids) <= MAX_ROWS:
             hidden = self.decode_stack.run(
-                F.embedding(input_ids, self.model.embed_weight),
+                embedding(input_ids, self.model.embed_weight),
                 pos,
                 meta.slot_mapping,
                 meta.decode_block_tables,

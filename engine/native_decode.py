@@ -16,6 +16,7 @@ import torch
 
 from prefixrag.engine.model import LlamaModel
 from prefixrag.kernels.block_quant_matmul import BlockQuantWeight
+from prefixrag.kernels.block_stack import BlockStack
 from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
 from prefixrag.kernels.decode_step import MAX_ROWS, DecodeLayer, DecodeStack, build
 from prefixrag.kernels.native_build import NativeBuildError
@@ -49,14 +50,14 @@ def native_decode_stack(
     ``split_len``: positions per attention split (cpu_ops.SPLIT_LEN; tests vary it).
     ``int8_activations``: the matmuls round their inputs to int8 (kernels/csrc/q8_act.h)."""
     config = model.config
-    if model.embed_weight.dtype != torch.float32 or kv_caches[0][0].dtype not in KV_KINDS:
+    if model.norm.weight.dtype != torch.float32 or kv_caches[0][0].dtype not in KV_KINDS:
         log.debug("no C decode step: it runs float32 models (16-bit KV caches allowed) only")
         return None
     layers = []
     for block, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         attn, mlp = block.attn, block.mlp
         weights = (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight)
-        blocks = all(isinstance(w, BlockQuantWeight) for w in weights)
+        blocks = all(isinstance(w, BlockQuantWeight | BlockStack) for w in weights)
         if not (blocks or (not int8_activations and all(map(_plain_float32, weights)))):
             log.debug(
                 "no C decode step: layer %d has weights that are neither all GGUF blocks nor "

@@ -32,10 +32,12 @@ from prefixrag.kernels.block_quant_matmul import (
     block_quant_dequantize,
     block_quant_matmul,
     block_quant_matmul_amx,
+    block_quant_rows,
     fixed_order_matmul,
     q8_activations_fast,
     tile_min_rows,
 )
+from prefixrag.kernels.block_stack import BlockStack
 from prefixrag.kernels.native_build import NativeBuildError, load_library
 
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
@@ -129,7 +131,7 @@ class Int8Weight(nn.Module):
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor | Int8Weight | BlockQuantWeight,
+    weight: torch.Tensor | Int8Weight | BlockQuantWeight | BlockStack,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear`` for a plain, an :class:`Int8Weight` or a :class:`BlockQuantWeight` matrix.
@@ -142,10 +144,14 @@ def linear(
     TILE_KERNEL_MAX_ROWS (up to it, on builds with the block kernel's tiles, they keep the block
     kernel and a decode step's bits; on hosts with AMX, up to AMX_MAX_ROWS take its tile
     products instead, at float32 accuracy)."""
+    if isinstance(weight, BlockStack):
+        return _stack_linear(x, weight, bias)
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
         if rows <= BLOCK_KERNEL_MAX_ROWS:
             out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
+        elif weight.is_kquant:  # the tiles and AMX read plane kinds only
+            out = packed_linear(x, _dense(weight))
         elif rows <= AMX_MAX_ROWS and _amx_build():
             out = block_quant_matmul_amx(x, weight)
         elif rows <= TILE_KERNEL_MAX_ROWS and _block_tiles_build():
@@ -162,6 +168,37 @@ def linear(
         out = out.reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+def _dense(weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
+    """The float32 matrix a prefill-sized matmul multiplies by: the kept copy (see
+    keep_dense_block_weights_), or widened for this call."""
+    if weight.dense is not None:
+        return weight.dense  # type: ignore[return-value]
+    if isinstance(weight, BlockStack):
+        return weight.dequantize()
+    return block_quant_dequantize(weight)
+
+
+def _stack_linear(
+    x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None
+) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows <= BLOCK_KERNEL_MAX_ROWS:
+        out = weight.matmul(x, int8_activations=weight.int8_activations)
+    else:
+        out = packed_linear(x, _dense(weight))
+    return out if bias is None else out + bias
+
+
+def embedding(
+    ids: torch.Tensor, table: torch.Tensor | BlockQuantWeight
+) -> torch.Tensor:
+    """Rows ``ids`` of the embedding table, float32 for a block table (only the rows asked for
+    are widened: a mapped model never holds its float32 table)."""
+    if isinstance(table, BlockQuantWeight):
+        return block_quant_rows(table, ids)
+    return F.embedding(ids, table)
 
 
 def _small_float32_cpu_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -233,13 +270,14 @@ def _amx_build() -> bool:
     return _block_kernel_builds() and amx_ready()
 
 
-def _block_weights(model: nn.Module) -> list[BlockQuantWeight]:
-    return [
-        value
-        for module in model.modules()
-        for value in vars(module).values()
-        if isinstance(value, BlockQuantWeight)
-    ]
+def _block_weights(model: nn.Module) -> list[BlockQuantWeight | BlockStack]:
+    """The model's matmul weights in blocks (the LM head once, though a tied table is both)."""
+    seen: dict[int, BlockQuantWeight | BlockStack] = {}
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name != "embed_weight" and isinstance(value, BlockQuantWeight | BlockStack):
+                seen.setdefault(id(value), value)
+    return list(seen.values())
 
 
 def quantize_model_(model: nn.Module) -> None:
@@ -275,12 +313,17 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
     the prefill GEMM's packed layout (engine/packed_gemm.py), in the same bytes.
     """
     weights = _block_weights(model)
-    total = sum(w.shape[0] * w.shape[1] * 4 for w in weights)
+    total = dense_block_bytes(model)
     if not weights or total > max_bytes:
         return 0
     for weight in weights:
-        weight.dense = pack_weight(block_quant_dequantize(weight))
+        weight.dense = pack_weight(_dense(weight))
     return total
+
+
+def dense_block_bytes(model: nn.Module) -> int:
+    """What keep_dense_block_weights_ would keep: float32 beside every block weight."""
+    return sum(w.shape[0] * w.shape[1] * 4 for w in _block_weights(model))
 
 
 def use_int8_activations_(model: nn.Module) -> bool:
@@ -295,7 +338,8 @@ def use_int8_activations_(model: nn.Module) -> bool:
     if not q8_activations_fast():
         log.warning("int8_activations on a CPU without AVX2 or AVX-512 VNNI: slower than float32")
     for weight in weights:
-        weight.int8_activations = True
+        for part in weight.parts if isinstance(weight, BlockStack) else (weight,):
+            part.int8_activations = True
     return True
 
 

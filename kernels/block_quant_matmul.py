@@ -8,6 +8,11 @@ SmolLM2's Q4_1 layers that is 0.75 bytes a weight instead of float32's 4, and de
 read every weight once per step, is bandwidth-bound. The float32 matrix it stands for is exactly
 gguf's dequantization, so logits stay those of the dequantized model up to summation order.
 
+Two kinds are no planes at all: ``q4_k`` and ``q6_k`` keep a GGUF file's own Q4_K and Q6_K
+rows (uint8 [N, K/256 * 144] and [N, K/256 * 210]), usually a view into the mapped file, and the
+kernels widen each row's scales as they reach it (csrc/kquant_rows.h): the same bits as the
+planes they would convert to, at the file's 4.5 and 6.56 bits a weight.
+
 ``block_quant_matmul`` is the C kernel (csrc/block_quant_matmul.c); ``block_quant_matmul_torch``
 is the reference.
 """
@@ -23,21 +28,26 @@ from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
 QBLOCK = 32
 MAX_K = 16384
-_KIND = {"q4": 4, "q8": 8, "q8_16": 16, "q8m": 9}
+QK_K = 256
+_KIND = {"q4": 4, "q8": 8, "q8_16": 16, "q8m": 9, "q4_k": 44, "q6_k": 66}
 # elements per scale: q8_16 is q8 with a d per 16 codes (Q6_K's sub-blocks)
 _SCALE_BLOCK = {"q4": QBLOCK, "q8": QBLOCK, "q8_16": QBLOCK // 2, "q8m": QBLOCK}
 _WITH_M = ("q4", "q8m")
+# the file's own rows: bytes per super-block of 256 weights, and the GGUF type they come from
+KQUANT_BYTES = {"q4_k": 144, "q6_k": 210}
+KQUANT_GGUF_TYPES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}
 
 
 @dataclass(slots=True)
 class BlockQuantWeight:
     """A [N, K] matrix as block planes: ``kind`` ``q4`` (codes uint8 [N, K/2], d and m float32
     [N, K/32]), ``q8`` (codes int8 [N, K], d float32 [N, K/32], m None), ``q8_16`` (as q8 with
-    d [N, K/16]) or ``q8m`` (as q8 with m, w = d * code + m as q4)."""
+    d [N, K/16]) or ``q8m`` (as q8 with m, w = d * code + m as q4); or a GGUF file's own rows,
+    ``q4_k`` or ``q6_k`` (codes uint8 [N, K/256 * bytes per super-block], d and m None)."""
 
     kind: str
     codes: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
     # the float32 matrix, kept by the engine for prefill-sized matmuls when memory allows (in
     # the engine's packed GEMM layout where it can: engine/packed_gemm.py)
@@ -48,7 +58,10 @@ class BlockQuantWeight:
     def __post_init__(self) -> None:
         if self.kind not in _KIND:
             raise ValueError(f"kind must be one of {', '.join(_KIND)}, got {self.kind!r}")
-        if self.d.dtype != torch.float32 or self.d.dim() != 2:
+        if self.kind in KQUANT_BYTES:
+            self._check_kquant()
+            return
+        if self.d is None or self.d.dtype != torch.float32 or self.d.dim() != 2:
             raise ValueError("d must be a 2-D float32 tensor [N, K/32] (q8_16: [N, K/16])")
         n, k = self.shape
         if k % QBLOCK:
@@ -64,12 +77,41 @@ class BlockQuantWeight:
         if self.m is not None and self.m.shape != self.d.shape:
             raise ValueError(f"m {tuple(self.m.shape)} must match d {tuple(self.d.shape)}")
 
+    def _check_kquant(self) -> None:
+        size = KQUANT_BYTES[self.kind]
+        c = self.codes
+        if c.dtype != torch.uint8 or c.dim() != 2 or c.shape[1] % size or c.stride(1) != 1:
+            raise ValueError(
+                f"{self.kind} codes must be uint8 [N, K/256 * {size}] with contiguous rows, "
+                f"got {c.dtype} {tuple(c.shape)}"
+            )
+        if self.d is not None or self.m is not None:
+            raise ValueError(f"{self.kind} weights carry their scales in their rows: no d or m")
+
+    @property
+    def is_kquant(self) -> bool:
+        """A GGUF file's own K-quant rows (no planes)."""
+        return self.kind in KQUANT_BYTES
+
     @property
     def shape(self) -> torch.Size:
+        if self.kind in KQUANT_BYTES:
+            rows, row_bytes = self.codes.shape
+            return torch.Size((rows, row_bytes // KQUANT_BYTES[self.kind] * QK_K))
+        assert self.d is not None
         return torch.Size((self.d.shape[0], self.d.shape[1] * _SCALE_BLOCK[self.kind]))
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a full read of the weight touches (codes and planes)."""
+        planes = (self.codes, self.d, self.m)
+        return sum(t.numel() * t.element_size() for t in planes if t is not None)
 
     def select_rows(self, index: torch.Tensor) -> BlockQuantWeight:
         """The rows ``index`` (a row permutation or a subset), as a new weight."""
+        if self.kind in KQUANT_BYTES:
+            return BlockQuantWeight(self.kind, self.codes[index].contiguous(), None, None)
+        assert self.d is not None
         m = None if self.m is None else self.m[index].contiguous()
         return BlockQuantWeight(
             self.kind, self.codes[index].contiguous(), self.d[index].contiguous(), m
@@ -86,6 +128,8 @@ class BlockQuantWeight:
         """True when :meth:`cat` takes these: one kind, or q8 beside q8m (a Q5_1 q beside a
         Q8_0 v, say), and one K."""
         kinds = {p.kind for p in parts}
+        if kinds & set(KQUANT_BYTES):
+            return False  # a file's rows are views: stack them (kernels/block_stack.py) instead
         return (len(kinds) == 1 or kinds == {"q8", "q8m"}) and len({p.shape[1] for p in parts}) == 1
 
     @staticmethod
@@ -105,8 +149,19 @@ class BlockQuantWeight:
         )
 
 
+def as_planes(w: BlockQuantWeight) -> BlockQuantWeight:
+    """A K-quant weight as the planes it stands for (kernels/gguf_planes.py, in numpy: an
+    independent reading of the same bytes); any other weight as it is."""
+    if not w.is_kquant:
+        return w
+    from prefixrag.kernels.gguf_planes import from_gguf_blocks  # it imports this module
+
+    return from_gguf_blocks(w.codes.numpy(), KQUANT_GGUF_TYPES[w.kind], tuple(w.shape))
+
+
 def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:
     """The float32 matrix [N, K] in torch (the reference)."""
+    w = as_planes(w)
     n, k = w.shape
     d = w.d.repeat_interleave(_SCALE_BLOCK[w.kind], dim=1)
     if w.kind == "q8m":
@@ -131,6 +186,8 @@ def _check(x: torch.Tensor, w: BlockQuantWeight) -> None:
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes {k}")
     if k > MAX_K:
         raise ValueError(f"K = {k} is over the kernel's limit of {MAX_K}")
+    if w.is_kquant and w.codes.stride(0) != w.codes.shape[1]:
+        raise ValueError(f"{w.kind} rows must lie back to back")
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -191,6 +248,8 @@ def block_quant_matmul_amx(
     (csrc/amx_matmul.h): float32 accuracy in another summation order, so not the block kernel's
     bits. Raises ValueError where :func:`amx_ready` is False."""
     rejected = "no AMX here (see amx_ready), or K is not a multiple of 32"
+    if w.is_kquant:
+        raise ValueError(f"the AMX path reads plane kinds only, not {w.kind}")
     return _run_matmul("block_quant_matmul_amx", x, w, flags, rejected)
 
 
@@ -214,6 +273,7 @@ def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def block_quant_matmul_q8a_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
     """``x @ W.T`` with x quantized as :func:`quantize_activations_torch` does, in float64 from
     the exact integer block sums (the reference; the C kernel differs by float32 rounding)."""
+    w = as_planes(w)
     n, k = w.shape
     codes, dx = quantize_activations_torch(x)
     xq = codes.double().reshape(x.shape[0], 1, k // QBLOCK, QBLOCK)
@@ -272,6 +332,18 @@ def block_quant_dequantize(
     """The float32 matrix [N, K] through the C kernel (bit-identical to gguf's dequantizer)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32)
+    block_quant_dequantize_into(w, out, flags)
+    return out
+
+
+def block_quant_dequantize_into(
+    w: BlockQuantWeight, out: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> None:
+    """:func:`block_quant_dequantize` written into ``out`` (contiguous float32 [N, K]: rows of a
+    larger matrix, say)."""
+    n, k = w.shape
+    if out.dtype != torch.float32 or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{n}, {k}]")
     lib = load_library("block_quant_matmul.c", flags)
     rc = lib.block_quant_dequantize(
         ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(out),
@@ -279,4 +351,23 @@ def block_quant_dequantize(
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"block_quant_dequantize rejected K = {k}")
-    return out
+
+
+def block_quant_rows(
+    w: BlockQuantWeight, ids: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape) of the float32 matrix, [*ids.shape, K]: an embedding
+    lookup that widens only the rows a step reads. Raises IndexError for an id out of range."""
+    n, k = w.shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)
+    lib = load_library("block_quant_matmul.c", flags)
+    rc = lib.block_quant_dequantize_rows(
+        ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(flat),
+        ctypes.c_int64(flat.numel()), _ptr(out), ctypes.c_int64(n), ctypes.c_int64(k),
+    )  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"a token id is outside the embedding's {n} rows")
+    if rc != 0:
+        raise ValueError(f"block_quant_dequantize_rows rejected K = {k}")
+    return out.reshape(*ids.shape, k)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixrag.kernels.block_quant_matmul import _KIND, MAX_K, QBLOCK, BlockQuantWeight
+from prefixrag.kernels.block_stack import BlockStack
 from prefixrag.kernels.cpu_ops import KV_KINDS, SPLIT_LEN
 from prefixrag.kernels.native_build import DEFAULT_FLAGS, load_library
 
@@ -26,15 +27,26 @@ KIND_F32 = 32
 # has the same bound).
 MAX_ROWS = 16
 _MAX_GROUP, _MAX_HEAD_DIM = 16, 256
+# parts a stacked weight may have (q, k, v), csrc/decode_step.c's MAX_PARTS
+MAX_PARTS = 3
 
 
-class _Weight(ctypes.Structure):
+class _Part(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),
         ("pad", ctypes.c_int32),
         ("codes", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+    ]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [
+        ("num_parts", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("parts", _Part * MAX_PARTS),
     ]
 
 
@@ -94,17 +106,17 @@ class DecodeLayer:
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    qkv: BlockQuantWeight | torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    o: BlockQuantWeight | torch.Tensor  # [H, Hq D]
-    gate_up: BlockQuantWeight | torch.Tensor  # [2 I, H]
-    down: BlockQuantWeight | torch.Tensor  # [H, I]
+    qkv: BlockQuantWeight | BlockStack | torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    o: BlockQuantWeight | BlockStack | torch.Tensor  # [H, Hq D]
+    gate_up: BlockQuantWeight | BlockStack | torch.Tensor  # [2 I, H]
+    down: BlockQuantWeight | BlockStack | torch.Tensor  # [H, I]
     k_cache: torch.Tensor  # [num_blocks, bs, Hkv, D]
     v_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
 
 
-def _weight(w: BlockQuantWeight | torch.Tensor, n: int, k: int, name: str) -> _Weight:
+def _weight(w: BlockQuantWeight | BlockStack | torch.Tensor, n: int, k: int, name: str) -> _Weight:
     if tuple(w.shape) != (n, k):
         raise ValueError(f"{name} is {tuple(w.shape)}, the stack needs ({n}, {k})")
     if k % QBLOCK or k > MAX_K:
@@ -112,9 +124,24 @@ def _weight(w: BlockQuantWeight | torch.Tensor, n: int, k: int, name: str) -> _W
     if isinstance(w, torch.Tensor):
         if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 CPU matrix, got {w.dtype}")
-        return _Weight(KIND_F32, 0, w.data_ptr(), None, None)
+        parts = [_Part(KIND_F32, 0, w.data_ptr(), None, None, n)]
+    else:
+        blocks = w.parts if isinstance(w, BlockStack) else (w,)
+        if len(blocks) > MAX_PARTS:
+            raise ValueError(f"{name} has {len(blocks)} parts, the C step takes {MAX_PARTS}")
+        parts = [_part(p, name) for p in blocks]
+    weight = _Weight(len(parts), 0)
+    for i, part in enumerate(parts):
+        weight.parts[i] = part
+    return weight
+
+
+def _part(w: BlockQuantWeight, name: str) -> _Part:
+    if w.is_kquant and w.codes.stride(0) != w.codes.shape[1]:
+        raise ValueError(f"{name}: {w.kind} rows must lie back to back")
+    d = 0 if w.d is None else w.d.data_ptr()
     m = 0 if w.m is None else w.m.data_ptr()
-    return _Weight(_KIND[w.kind], 0, w.codes.data_ptr(), w.d.data_ptr(), m)
+    return _Part(_KIND[w.kind], 0, w.codes.data_ptr(), d, m, w.shape[0])
 
 
 def _f32_vector(t: torch.Tensor | None, size: int, name: str) -> int | None:

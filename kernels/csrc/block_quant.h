@@ -19,22 +19,35 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kquant_rows.h"
+
 #define QBLOCK 32
 #define MAX_K 16384
 #define NUM_PARTIALS 64
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* 4: q4 (4-bit codes, d and m per 32, w = d * code + m); 8: q8 (int8 codes, d per 32,
- * w = d * code); 16: q8_16 (q8 with a d per 16); 9: q8m (int8 codes, d and m per 32, as q4) */
-static inline int valid_kind(int kind) { return kind == 4 || kind == 8 || kind == 16 || kind == 9; }
+ * w = d * code); 16: q8_16 (q8 with a d per 16); 9: q8m (int8 codes, d and m per 32, as q4);
+ * 44 and 66: a GGUF file's own Q4_K and Q6_K rows (kquant_rows.h), no d or m planes */
+static inline int valid_kind(int kind) {
+    return kind == 4 || kind == 8 || kind == 16 || kind == 9 || is_kquant(kind);
+}
+/* K must hold whole blocks, and for the K-quants whole super-blocks */
+static inline int valid_k(int kind, int64_t k) {
+    return k % QBLOCK == 0 && (!is_kquant(kind) || k % QK_K == 0);
+}
 /* Not a block kind: plain float32 rows passed as the codes (no d, no m), for small matmuls
  * over float32 weights in the same fixed order (fixed_order_matmul in block_quant_matmul.c). */
 #define KIND_F32 32
 /* the kinds with an offset m, and their code bytes per row */
-static inline int has_m(int kind) { return kind == 4 || kind == 9; }
+static inline int has_m(int kind) { return kind == 4 || kind == 9 || kind == KIND_Q4K; }
 static inline int64_t code_bytes(int kind, int64_t k) {
+    if (is_kquant(kind)) return kquant_row_bytes(kind, k);
     return kind == 4 ? k / 2 : kind == KIND_F32 ? 4 * k : k;
 }
+/* the scale buffers a K-quant row's widened scales need (row_weights) */
+#define ROW_D_FLOATS (MAX_K / 16)
+#define ROW_M_FLOATS (MAX_K / 32)
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BQ_SIMD 1
@@ -78,6 +91,18 @@ static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int
     }
 }
 
+/* Q4_K block codes (kquant_rows.h) at nibble shift: as q4_pieces, the same fma a code */
+static ALWAYS_INLINE void q4k_pieces(const uint8_t *c, int shift, float d, float m, vec *w) {
+    const __m128i cnt = _mm_cvtsi32_si128(shift);
+    const __m512i low4 = _mm512_set1_epi32(15);
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
+        const __m512i code = _mm512_and_si512(_mm512_srl_epi32(v, cnt), low4);
+        w[h] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(code), vm);
+    }
+}
+
 static ALWAYS_INLINE float reduce_partials(const vec *acc) {
     const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
@@ -117,6 +142,18 @@ static ALWAYS_INLINE void q8_pieces(const int8_t *c, float d_lo, float d_hi, int
         const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
         const __m256 vd = h < 2 ? vd_lo : vd_hi, code = _mm256_cvtepi32_ps(v);
         w[h] = with_m ? _mm256_fmadd_ps(vd, code, _mm256_set1_ps(m)) : _mm256_mul_ps(vd, code);
+    }
+}
+
+/* Q4_K block codes (kquant_rows.h) at nibble shift: as q4_pieces, the same fma a code */
+static ALWAYS_INLINE void q4k_pieces(const uint8_t *c, int shift, float d, float m, vec *w) {
+    const __m128i cnt = _mm_cvtsi32_si128(shift);
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    for (int h = 0; h < 4; h++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+        const __m256i code = _mm256_and_si256(_mm256_srl_epi32(v, cnt), low4);
+        w[h] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(code), vm);
     }
 }
 
@@ -182,7 +219,37 @@ static inline void row_planes(int kind, const void *codes, const float *d, const
     const int64_t nb = k / QBLOCK;
     *cj = (const uint8_t *)codes + j * code_bytes(kind, k);
     *dj = d ? d + j * (kind == 16 ? 2 * nb : nb) : NULL;
-    *mj = has_m(kind) ? m + j * nb : NULL;
+    *mj = has_m(kind) && m ? m + j * nb : NULL;
+}
+
+/* row j's planes, a K-quant row's scales widened into dbuf (ROW_D_FLOATS) and mbuf
+ * (ROW_M_FLOATS) first: what every kernel reads a row through */
+static inline void row_weights(int kind, const void *codes, const float *d, const float *m,
+                               int64_t j, int64_t k, float *dbuf, float *mbuf, const void **cj,
+                               const float **dj, const float **mj) {
+    row_planes(kind, codes, d, m, j, k, cj, dj, mj);
+    if (!is_kquant(kind)) return;
+    kquant_row_scales(kind, (const uint8_t *)*cj, k, dbuf, mbuf);
+    *dj = dbuf;
+    *mj = kind == KIND_Q4K ? mbuf : NULL;
+}
+
+/* a K-quant row (scales already widened into d, m) as float32 */
+static inline void expand_kquant(int kind, const uint8_t *row, const float *d, const float *m,
+                                 int64_t k, float *w) {
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        float *o = w + b * QBLOCK;
+        if (kind == KIND_Q4K) {
+            const uint8_t *c = q4k_chunk(row, b);
+            const int shift = q4k_shift(b);
+            for (int j = 0; j < QBLOCK; j++)
+                o[j] = __builtin_fmaf(d[b], (float)((c[j] >> shift) & 15), m[b]);
+        } else {
+            int8_t c[QBLOCK];
+            q6k_codes(row, b, c);
+            for (int j = 0; j < QBLOCK; j++) o[j] = d[2 * b + j / 16] * (float)c[j];
+        }
+    }
 }
 
 /* the float32 row j */
@@ -190,6 +257,12 @@ static inline void expand_row(int kind, const void *codes, const float *d, const
                               int64_t j, int64_t k, float *w) {
     const void *cj;
     const float *dj, *mj;
+    if (is_kquant(kind)) {
+        float dbuf[ROW_D_FLOATS], mbuf[ROW_M_FLOATS];
+        row_weights(kind, codes, d, m, j, k, dbuf, mbuf, &cj, &dj, &mj);
+        expand_kquant(kind, (const uint8_t *)cj, dj, mj, k, w);
+        return;
+    }
     row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
     if (kind == KIND_F32)
         memcpy(w, cj, (size_t)k * sizeof(float));
@@ -239,6 +312,12 @@ static ALWAYS_INLINE void block_pieces(int kind, const void *codes, const float 
     if (kind == KIND_F32) {
         const float *row = (const float *)codes + b * QBLOCK;
         for (int i = 0; i < PIECES; i++) w[i] = vload(row + LANES * i);
+    } else if (kind == KIND_Q4K) {
+        q4k_pieces(q4k_chunk((const uint8_t *)codes, b), q4k_shift(b), d[b], m[b], w);
+    } else if (kind == KIND_Q6K) {
+        int8_t c[QBLOCK] __attribute__((aligned(32)));
+        q6k_codes((const uint8_t *)codes, b, c);
+        q8_pieces(c, d[2 * b], d[2 * b + 1], 0, 0.0f, w);
     } else if (kind == 4)
         q4_pieces((const uint8_t *)codes + b * (QBLOCK / 2), d[b], m[b], w);
     else
@@ -399,26 +478,27 @@ static ALWAYS_INLINE void prefetch_block_row(int kind, const void *codes, const 
     row_planes(kind, codes, d, m, j + BLOCK_PREFETCH_ROWS, k, &cp, &dp, &mp);
     for (int64_t b = 0; b < code_bytes(kind, k); b += 64)
         __builtin_prefetch((const char *)cp + b, 0, 1);
-    __builtin_prefetch(dp, 0, 1);
+    if (dp) __builtin_prefetch(dp, 0, 1);
     if (mp) __builtin_prefetch(mp, 0, 1);
 #else
     (void)kind, (void)codes, (void)d, (void)m, (void)j, (void)n, (void)k;
 #endif
 }
 
-/* out[r, j] = x[r] . W[j] for r < rows, j < n; call from every thread of a parallel region,
- * each with its own float buffer w of at least k floats (the portable path expands rows there).
- * Ends with the loop's barrier. */
+/* out[r * ldo + j] = x[r] . W[j] for r < rows, j < n; call from every thread of a parallel
+ * region, each with its own float buffer w of at least k floats (the portable path expands rows
+ * there). Ends with the loop's barrier. */
 static inline void bq_matmul_for(int kind, const float *x, const void *codes, const float *d,
                                  const float *m, float *out, int64_t rows, int64_t n, int64_t k,
-                                 float *w) {
+                                 int64_t ldo, float *w) {
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
 #if defined(BQ_SIMD)
         (void)w;
         const void *cj;
         const float *dj, *mj;
-        row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
+        float dbuf[ROW_D_FLOATS], mbuf[ROW_M_FLOATS];
+        row_weights(kind, codes, d, m, j, k, dbuf, mbuf, &cj, &dj, &mj);
         int64_t r0 = 0;
         prefetch_block_row(kind, codes, d, m, j, n, k);
         if (kind == KIND_F32)
@@ -430,7 +510,7 @@ static inline void bq_matmul_for(int kind, const float *x, const void *codes, co
                 const int ahead = r0 == 0 && j + SLOT_PREFETCH_ROWS < n;
                 dot_rows_f32_kind(x + r0 * k, k, (const float *)cj, g, res,
                                   ahead ? (const float *)cj + SLOT_PREFETCH_ROWS * k : NULL);
-                for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
+                for (int r = 0; r < g; r++) out[(r0 + r) * ldo + j] = res[r];
             }
         for (; r0 < rows; r0 += GROUP) {
             float res[GROUP];
@@ -444,13 +524,17 @@ static inline void bq_matmul_for(int kind, const float *x, const void *codes, co
                 dot_rows_kind(16, x + r0 * k, k, cj, dj, mj, g, res);
             else if (kind == KIND_F32)
                 dot_rows_kind(KIND_F32, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == KIND_Q4K)
+                dot_rows_kind(KIND_Q4K, x + r0 * k, k, cj, dj, mj, g, res);
+            else if (kind == KIND_Q6K)
+                dot_rows_kind(KIND_Q6K, x + r0 * k, k, cj, dj, mj, g, res);
             else
                 dot_rows_kind(9, x + r0 * k, k, cj, dj, mj, g, res);
-            for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
+            for (int r = 0; r < g; r++) out[(r0 + r) * ldo + j] = res[r];
         }
 #else
         expand_row(kind, codes, d, m, j, k, w);
-        for (int64_t r = 0; r < rows; r++) out[r * n + j] = dot(x + r * k, w, k);
+        for (int64_t r = 0; r < rows; r++) out[r * ldo + j] = dot(x + r * k, w, k);
 #endif
     }
 }

@@ -56,14 +56,16 @@ static int tiled_matmul(int kind, const float *x, const void *codes, const float
  * kind, -3 if the tiles' scratch memory could not be had. */
 int block_quant_matmul(int kind, const float *x, const void *codes, const float *d,
                        const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
-    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
+    if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
 #if defined(BQ_TILES)
-    if (rows >= TILE_MIN_ROWS) return tiled_matmul(kind, x, codes, d, m, out, rows, n, k);
+    /* NOTE: the tiles read plane kinds only; K-quant rows keep bq_matmul_for at any count */
+    if (rows >= TILE_MIN_ROWS && !is_kquant(kind))
+        return tiled_matmul(kind, x, codes, d, m, out, rows, n, k);
 #endif
 #pragma omp parallel
     {
         float w[MAX_K] __attribute__((aligned(64)));
-        bq_matmul_for(kind, x, codes, d, m, out, rows, n, k, w);
+        bq_matmul_for(kind, x, codes, d, m, out, rows, n, k, n, w);
     }
     return 0;
 }
@@ -72,7 +74,7 @@ int block_quant_matmul(int kind, const float *x, const void *codes, const float 
  * K or kind, -3 if scratch memory could not be had. */
 int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const float *d,
                            const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
-    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind)) return -1;
+    if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
     const int64_t row_bytes = q8_row_bytes(k);
     char *buf = aligned_alloc(64, (size_t)(rows * row_bytes));
     q8_row *q = malloc((size_t)rows * sizeof(q8_row));
@@ -86,7 +88,7 @@ int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const fl
         quantize_row_q8(x + r * k, k, q + r);
     }
 #pragma omp parallel
-    q8a_matmul_for(kind, q, codes, d, m, out, rows, n, k);
+    q8a_matmul_for(kind, q, codes, d, m, out, rows, n, k, n);
     free(q);
     free(buf);
     return 0;
@@ -112,7 +114,9 @@ int block_quant_amx_ready(void) {
 int block_quant_matmul_amx(int kind, const float *x, const void *codes, const float *d,
                            const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
 #if AMX_BUILD
-    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind) || !amx_permitted()) return -1;
+    /* the AMX panels read plane kinds only */
+    if (k % QBLOCK != 0 || k > MAX_K || !valid_kind(kind) || is_kquant(kind) || !amx_permitted())
+        return -1;
     /* per thread: 16 weight rows' parts, and at least two chunks' (amx_matmul_for) */
     const int64_t chunks = k / AMX_CHUNK > 2 ? k / AMX_CHUNK : 2;
     const int64_t per_thread = chunks * AMX_PARTS * 1024;
@@ -152,9 +156,22 @@ int block_quant_q8a_fast(void) {
 /* The float32 matrix itself, [N, K] (prefill hands it to a GEMM). */
 int block_quant_dequantize(int kind, const void *codes, const float *d, const float *m,
                            float *out, int64_t n, int64_t k) {
-    if (k % QBLOCK != 0 || !valid_kind(kind)) return -1;
+    if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++) expand_row(kind, codes, d, m, j, k, out + j * k);
+    return 0;
+}
+
+/* Rows ids[0 .. count) of the float32 matrix, [count, K] (an embedding lookup); -2, writing
+ * nothing, when an id is outside [0, n). */
+int block_quant_dequantize_rows(int kind, const void *codes, const float *d, const float *m,
+                                const int64_t *ids, int64_t count, float *out, int64_t n,
+                                int64_t k) {
+    if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -2;
+#pragma omp parallel for schedule(static) if (count > 8)
+    for (int64_t i = 0; i < count; i++) expand_row(kind, codes, d, m, ids[i], k, out + i * k);
     return 0;
 }
 
@@ -169,7 +186,7 @@ int fixed_order_matmul(const float *x, const float *w, float *out, int64_t rows,
 #pragma omp parallel
     {
         float buf[MAX_K] __attribute__((aligned(64)));
-        bq_matmul_for(KIND_F32, x, w, NULL, NULL, out, rows, n, k, buf);
+        bq_matmul_for(KIND_F32, x, w, NULL, NULL, out, rows, n, k, n, buf);
     }
     return 0;
 }

@@ -27,11 +27,24 @@
 
 #define MAX_ROWS 16 /* kernels/decode_step.py's MAX_ROWS */
 
+#define MAX_PARTS 3 /* kernels/decode_step.py's MAX_PARTS */
+
+/* One matrix of rows x K: 4 (q4), 8 (q8), 16 (q8_16), 9 (q8m), 44 (Q4_K) or 66 (Q6_K), see
+ * block_quant.h */
 typedef struct {
-    int32_t kind; /* 4 (q4), 8 (q8), 16 (q8_16) or 9 (q8m), see block_quant.h */
+    int32_t kind;
     int32_t pad;
     const void *codes;
     const float *d, *m;
+    int64_t rows;
+} bq_part;
+
+/* A layer's matmul weight: up to MAX_PARTS matrices stacked along N (q, k and v; gate and up),
+ * each in its own kind, as a mapped GGUF file holds them */
+typedef struct {
+    int32_t num_parts;
+    int32_t pad;
+    bq_part parts[MAX_PARTS];
 } bq_weight;
 
 typedef struct {
@@ -117,17 +130,29 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, char *buf, in
 static void matmul_for(const decode_shape *sh, const bq_weight *wt, const float *x,
                        const q8_row *q, float *out, int64_t rows, int64_t n, int64_t k,
                        float *w) {
-    if (sh->act_q8)
-        q8a_matmul_for(wt->kind, q, wt->codes, wt->d, wt->m, out, rows, n, k);
-    else
-        bq_matmul_for(wt->kind, x, wt->codes, wt->d, wt->m, out, rows, n, k, w);
+    int64_t at = 0; /* each part fills its columns of out's rows */
+    for (int32_t i = 0; i < wt->num_parts; i++) {
+        const bq_part *p = wt->parts + i;
+        if (sh->act_q8)
+            q8a_matmul_for(p->kind, q, p->codes, p->d, p->m, out + at, rows, p->rows, k, n);
+        else
+            bq_matmul_for(p->kind, x, p->codes, p->d, p->m, out + at, rows, p->rows, k, n, w);
+        at += p->rows;
+    }
 }
 
 /* block weights, or plain float32 rows (KIND_F32: the fixed-order matmul of a float32 model;
- * int8 activations quantize against blocks only) */
-static int valid_weight(const decode_shape *sh, const bq_weight *w, int64_t k) {
-    const int kind_ok = valid_kind(w->kind) || (w->kind == KIND_F32 && !sh->act_q8);
-    return kind_ok && k % QBLOCK == 0 && k <= MAX_K;
+ * int8 activations quantize against blocks only), whose parts' rows add up to n */
+static int valid_weight(const decode_shape *sh, const bq_weight *w, int64_t n, int64_t k) {
+    if (w->num_parts < 1 || w->num_parts > MAX_PARTS || k > MAX_K) return 0;
+    int64_t rows = 0;
+    for (int32_t i = 0; i < w->num_parts; i++) {
+        const bq_part *p = w->parts + i;
+        const int kind_ok = valid_kind(p->kind) || (p->kind == KIND_F32 && !sh->act_q8);
+        if (!kind_ok || !valid_k(p->kind, k) || p->rows < 1) return 0;
+        rows += p->rows;
+    }
+    return rows == n;
 }
 
 /* x [B, H]: the token embeddings in, the hidden states out. positions, slots int64 [B];
@@ -145,8 +170,10 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
         return -1;
     for (int64_t i = 0; i < num_layers; i++) {
         const decode_layer *ly = layers + i;
-        if (!valid_weight(sh, &ly->qkv, hidden) || !valid_weight(sh, &ly->o, hq * d) ||
-            !valid_weight(sh, &ly->gate_up, hidden) || !valid_weight(sh, &ly->down, sh->inter))
+        if (!valid_weight(sh, &ly->qkv, (hq + 2 * hkv) * d, hidden) ||
+            !valid_weight(sh, &ly->o, hidden, hq * d) ||
+            !valid_weight(sh, &ly->gate_up, 2 * sh->inter, hidden) ||
+            !valid_weight(sh, &ly->down, hidden, sh->inter))
             return -1;
     }
     for (int64_t r = 0; r < rows; r++) {

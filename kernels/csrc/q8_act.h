@@ -156,6 +156,11 @@ static inline void quantize_row_q8(const float *x, int64_t k, q8_row *q) {
     pad_q8_row(q, nb);
 }
 
+/* kinds whose codes are unsigned 4-bit (q4, Q4_K); the others' are signed bytes */
+static inline int nibble_codes(int kind) { return kind == 4 || kind == KIND_Q4K; }
+/* kinds with a d per 16 codes (q8_16, Q6_K) */
+static inline int d_per_16(int kind) { return kind == 16 || kind == KIND_Q6K; }
+
 /* lane l of a pair: its block within the pair (0 or 1) and, for q8_16, its half of that block */
 static inline int lane_block(int l) { return (l / 4) % 2; }
 static inline int lane_half(int l) { return l / 8; }
@@ -165,17 +170,24 @@ static inline int lane_half(int l) { return l / 8; }
 static inline float lane_d(int kind, const float *d, int64_t p, int64_t nb, int l) {
     const int64_t b = 2 * p + lane_block(l);
     if (b >= nb) return 0.0f;
-    return kind == 16 ? d[2 * b + lane_half(l)] : d[b];
+    return d_per_16(kind) ? d[2 * b + lane_half(l)] : d[b];
 }
 
 /* the pair's 64 weight codes as unsigned bytes in pair order (q8 kinds: code + 128) */
 static inline void pair_codes(int kind, const void *codes, int64_t p, int64_t nb, uint8_t *u) {
     for (int h = 0; h < 2; h++) {
         const int64_t b = 2 * p + h;
+        int8_t q6[QBLOCK];
+        if (kind == KIND_Q6K) q6k_block_codes_scalar((const uint8_t *)codes, b, q6);
         for (int half = 0; half < 2; half++)
             for (int j = 0; j < 16; j++) {
                 uint8_t v = 0;
-                if (b < nb && kind == 4) {
+                if (kind == KIND_Q4K) {
+                    const uint8_t c = q4k_chunk((const uint8_t *)codes, b)[half * 16 + j];
+                    v = (c >> q4k_shift(b)) & 15;
+                } else if (kind == KIND_Q6K) {
+                    v = (uint8_t)(q6[half * 16 + j] + 128);
+                } else if (b < nb && kind == 4) {
                     const uint8_t c = ((const uint8_t *)codes)[b * 16 + j];
                     v = half ? c >> 4 : c & 15;
                 } else if (kind != 4) {
@@ -199,7 +211,7 @@ static inline float reduce_lanes(const float *a) {
  * in block order, then the lanes in the fixed order. A serial chain of fmas would cost as much
  * as the integer dot products it completes. */
 static inline float m_term(int kind, const float *m, const float *sx, int64_t nb) {
-    if (kind != 4 && kind != 9) return 0.0f;
+    if (kind != 4 && kind != 9 && kind != KIND_Q4K) return 0.0f;
 #if defined(Q8A_VNNI)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 16) {
@@ -243,7 +255,7 @@ static inline float q8a_dot_portable(int kind, const q8_row *x, int64_t k, const
         for (int l = 0; l < PAIR_LANES; l++) {
             int32_t s = 0;
             for (int t = 0; t < 4; t++) s += (int32_t)u[4 * l + t] * xq[4 * l + t];
-            if (kind != 4) s -= 128 * x->xs[p * PAIR_LANES + l];
+            if (!nibble_codes(kind)) s -= 128 * x->xs[p * PAIR_LANES + l];
             const float scale = lane_d(kind, d, p, nb, l) * x->dxl[p * PAIR_LANES + l];
             acc[l] = fmaf((float)s, scale, acc[l]);
         }
@@ -260,6 +272,19 @@ static ALWAYS_INLINE float reduce_lanes16(__m512 a) {
 
 /* the pair's codes as unsigned bytes in pair order (see pair_codes) */
 static ALWAYS_INLINE __m512i pair_codes16(int kind, const void *codes, int64_t p, int full) {
+    if (kind == KIND_Q4K) { /* blocks 2p and 2p + 1 share a chunk: low and high nibbles */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)q4k_chunk(codes, 2 * p));
+        const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    if (kind == KIND_Q6K) {
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(q6k_block_codes(codes, 2 * p)), q6k_block_codes(codes, 2 * p + 1), 1);
+        return _mm512_xor_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)),
+                                _mm512_set1_epi8((char)0x80));
+    }
     if (kind == 4) {
         const uint8_t *c = (const uint8_t *)codes + p * 32;
         const __m256i v = full ? _mm256_loadu_si256((const __m256i *)c)
@@ -278,7 +303,7 @@ static ALWAYS_INLINE __m512i pair_codes16(int kind, const void *codes, int64_t p
 
 /* the pair's weight scales per lane (see lane_d) */
 static ALWAYS_INLINE __m512 pair_scales16(int kind, const float *d, int64_t p, int full) {
-    if (kind == 16) {
+    if (d_per_16(kind)) {
         const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3);
         const __m128 v = _mm_maskz_loadu_ps(full ? 0xf : 0x3, d + 4 * p);
         return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
@@ -301,7 +326,7 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
         for (int r = 0; r < R; r++) {
             const __m512i xq = _mm512_loadu_si512(x[r].xq + p * PAIR_BYTES);
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
-            if (kind != 4)
+            if (!nibble_codes(kind))
                 s = _mm512_sub_epi32(
                     s, _mm512_slli_epi32(_mm512_loadu_si512(x[r].xs + p * PAIR_LANES), 7));
             const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(x[r].dxl + p * PAIR_LANES));
@@ -320,6 +345,24 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
  * cannot (2 * 128 * 127 = 32512); the lane sums are the same integers either way. */
 static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, int full,
                                       __m256i *u, __m256i *sign) {
+    if (kind == KIND_Q4K) { /* blocks 2p and 2p + 1 share a chunk: low and high nibbles */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)q4k_chunk(codes, 2 * p));
+        const __m256i low4 = _mm256_set1_epi8(15);
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        u[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
+        u[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        sign[0] = sign[1] = _mm256_setzero_si256(); /* unused for nibble codes */
+        return;
+    }
+    if (kind == KIND_Q6K) {
+        const __m256i b0 = q6k_block_codes(codes, 2 * p), b1 = q6k_block_codes(codes, 2 * p + 1);
+        sign[0] = _mm256_permute2x128_si256(b0, b1, 0x20);
+        sign[1] = _mm256_permute2x128_si256(b0, b1, 0x31);
+        u[0] = _mm256_abs_epi8(sign[0]);
+        u[1] = _mm256_abs_epi8(sign[1]);
+        return;
+    }
     if (kind == 4) {
         const uint8_t *c = (const uint8_t *)codes + p * 32;
         const __m256i v = full ? _mm256_loadu_si256((const __m256i *)c)
@@ -345,7 +388,7 @@ static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, in
 
 /* the pair's weight scales per lane (see lane_d), lanes 0-7 and 8-15 */
 static ALWAYS_INLINE void pair_scales8(int kind, const float *d, int64_t p, int full, __m256 *dv) {
-    if (kind == 16) {
+    if (d_per_16(kind)) {
         const float *q = d + 4 * p;
         const float b1_lo = full ? q[2] : 0.0f, b1_hi = full ? q[3] : 0.0f;
         dv[0] = _mm256_set_m128(_mm_set1_ps(b1_lo), _mm_set1_ps(q[0]));
@@ -373,7 +416,7 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
             for (int h = 0; h < 2; h++) {
                 const int8_t *xp = x[r].xq + p * PAIR_BYTES + 32 * h;
                 __m256i xq = _mm256_loadu_si256((const __m256i *)xp);
-                if (kind != 4) xq = _mm256_sign_epi8(xq, sign[h]);
+                if (!nibble_codes(kind)) xq = _mm256_sign_epi8(xq, sign[h]);
                 const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], xq), ones);
                 const __m256 scale =
                     _mm256_mul_ps(dv[h], _mm256_loadu_ps(x[r].dxl + p * PAIR_LANES + 8 * h));
@@ -400,16 +443,17 @@ static ALWAYS_INLINE void q8a_dot_rows_kind(int kind, const q8_row *x, int64_t k
 }
 #endif
 
-/* out[r, j] = x[r] . W[j] for r < rows, j < n over quantized rows x; call from every thread of a
- * parallel region. Ends with the loop's barrier. */
+/* out[r * ldo + j] = x[r] . W[j] for r < rows, j < n over quantized rows x; call from every
+ * thread of a parallel region. Ends with the loop's barrier. */
 static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, const float *d,
                                   const float *m, float *out, int64_t rows, int64_t n,
-                                  int64_t k) {
+                                  int64_t k, int64_t ldo) {
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const void *cj;
         const float *dj, *mj;
-        row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
+        float dbuf[ROW_D_FLOATS], mbuf[ROW_M_FLOATS];
+        row_weights(kind, codes, d, m, j, k, dbuf, mbuf, &cj, &dj, &mj);
 #if defined(Q8A_SIMD)
         prefetch_block_row(kind, codes, d, m, j, n, k);
         for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
@@ -421,13 +465,17 @@ static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, 
                 q8a_dot_rows_kind(8, x + r0, k, cj, dj, mj, g, res);
             else if (kind == 16)
                 q8a_dot_rows_kind(16, x + r0, k, cj, dj, mj, g, res);
+            else if (kind == KIND_Q4K)
+                q8a_dot_rows_kind(KIND_Q4K, x + r0, k, cj, dj, mj, g, res);
+            else if (kind == KIND_Q6K)
+                q8a_dot_rows_kind(KIND_Q6K, x + r0, k, cj, dj, mj, g, res);
             else
                 q8a_dot_rows_kind(9, x + r0, k, cj, dj, mj, g, res);
-            for (int r = 0; r < g; r++) out[(r0 + r) * n + j] = res[r];
+            for (int r = 0; r < g; r++) out[(r0 + r) * ldo + j] = res[r];
         }
 #else
         for (int64_t r = 0; r < rows; r++)
-            out[r * n + j] = q8a_dot_portable(kind, x + r, k, cj, dj, mj);
+            out[r * ldo + j] = q8a_dot_portable(kind, x + r, k, cj, dj, mj);
 #endif
     }
 }
