@@ -757,6 +757,12 @@ def main() -> None:
     parser.add_argument(
         "--no-fp32", action="store_true", help="leave out ours fp32 vs transformers"
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file of real size for both GGUF sides (bench/setup_qwen.sh 1.5b), instead "
+        "of the packaged model; needs --no-fp32",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "engine_bench.json")
     args = parser.parse_args()
     args.figures = tuple(f for f in args.figures.split(",") if f)
@@ -766,11 +772,15 @@ def main() -> None:
             raise SystemExit(f"unknown figure {name!r}; choose from {FIGURES}")
     if args.gguf_type and not args.no_fp32:
         raise SystemExit("--gguf-type compares the GGUF sides only: add --no-fp32")
+    if args.model and not args.no_fp32:
+        raise SystemExit("--model compares the GGUF sides only: add --no-fp32")
     pin_threads(args.threads)
     sizes = resolve_sizes(args)
 
     settings = get_settings()
-    model_path = str(cached(args.gguf_type) if args.gguf_type else packaged_llm_path())
+    model_path = args.model or str(
+        cached(args.gguf_type) if args.gguf_type else packaged_llm_path()
+    )
     config = EngineConfig(
         model=model_path,
         cache_dir=str(settings.cache_dir / "models"),

@@ -53,6 +53,12 @@ class AsyncEngine:
     def num_kv_blocks(self) -> int:
         return self.engine.num_kv_blocks
 
+    @property
+    def memory_plan(self) -> dict[str, int] | None:
+        """The runner's memory plan in bytes (set once at start: safe from any thread)."""
+        plan = getattr(self.engine.runner, "memory_plan", None)
+        return plan.as_dict() if plan is not None else None
+
     async def generate(
         self,
         prompt: str | SequenceOf[int],

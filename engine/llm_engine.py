@@ -94,6 +94,7 @@ class LLMEngine:
             gpu_memory_fraction=config.gpu_memory_fraction,
             weight_quant=config.weight_quant,
             int8_activations=config.int8_activations,
+            chunk_host_bytes=config.chunk_host_bytes,
         )
         self.tokenizer = self.runner.tokenizer
         self.host_tier = HostTier(config.chunk_host_bytes)

@@ -6,11 +6,12 @@ table); it writes their K/V into the cache and returns logits for the items that
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixrag.engine.attention.cpu_backend import NativeAttention
@@ -39,6 +40,7 @@ from prefixrag.engine.decode_graphs import (
     graph_batch_sizes,
 )
 from prefixrag.engine.host_memory import retain_freed_memory
+from prefixrag.engine.memory_plan import MemoryPlan, available_memory, kv_budget_from_left
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.native_decode import MAX_ROWS, native_decode_stack
@@ -47,14 +49,14 @@ from prefixrag.engine.quant import (
     keep_dense_block_weights_,
     quantize_model_,
     resolve_weight_quant,
-    use_block_weights_,
     use_int8_activations_,
 )
 from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
-from prefixrag.engine.weights import load_checkpoint
-from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
+from prefixrag.engine.weights import MappedGGUF, check_checkpoint, load_checkpoint, map_gguf
+from prefixrag.engine.weights.mapping import assign_mapped_weights
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV cache of a float32 model on CPU: at a long context a decode step reads about as many KV
 # bytes as weight bytes, and 16 bits halve them (llama.cpp's default cache is float16 too).
@@ -171,14 +173,28 @@ class ModelRunner:
         gpu_memory_fraction: float = 0.85,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
         int8_activations: bool = False,
+        chunk_host_bytes: int = 0,
+        memory_limit_bytes: int | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.cache_dir = cache_dir
         self._tokenizer: Tokenizer | None = None
-        config, tensors = load_checkpoint(model_path, cache_dir)
+        source = check_checkpoint(model_path)
+        run_device = torch.device(device)
+        run_dtype = resolve_dtype(dtype, run_device)
+        quant = resolve_weight_quant(weight_quant, run_device, run_dtype, self.model_path)
+        weights: dict[str, torch.Tensor] | MappedGGUF
+        if quant == "gguf":
+            if source.is_dir():
+                raise ValueError(f"weight_quant gguf needs a .gguf checkpoint, not {source}")
+            # the file's blocks, mapped: nothing widened to float32 but norms and biases
+            weights = map_gguf(source)
+            config = weights.config
+        else:
+            config, weights = load_checkpoint(source, run_dtype)
         self._setup(
             config,
-            tensors,
+            weights,
             block_size=block_size,
             num_blocks=num_blocks,
             kv_cache_bytes=kv_cache_bytes,
@@ -191,6 +207,8 @@ class ModelRunner:
             gpu_memory_fraction=gpu_memory_fraction,
             dense_prefill_bytes=dense_prefill_bytes,
             int8_activations=int8_activations,
+            chunk_host_bytes=chunk_host_bytes,
+            memory_limit_bytes=memory_limit_bytes,
         )
 
     @classmethod
@@ -237,7 +255,7 @@ class ModelRunner:
     def _setup(
         self,
         config: ModelConfig,
-        tensors: dict[str, torch.Tensor] | None,
+        tensors: dict[str, torch.Tensor] | MappedGGUF | None,
         *,
         block_size: int,
         num_blocks: int | None,
@@ -252,6 +270,8 @@ class ModelRunner:
         seed: int = 0,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
         int8_activations: bool = False,
+        chunk_host_bytes: int = 0,
+        memory_limit_bytes: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -288,13 +308,36 @@ class ModelRunner:
         self.kv_bytes_per_token = (
             2 * config.num_layers * config.num_kv_heads * config.head_dim * elem
         )
+        on_cpu = self.device.type == "cpu"
+        available = memory_limit_bytes or (available_memory() if on_cpu else 0)
+        fixed = MemoryPlan(
+            self.mapped_weight_bytes, self.copied_weight_bytes, self.dense_weight_bytes, 0,
+            chunk_host_bytes, self._scratch_bytes(config), available,
+        )  # fmt: skip
         if num_blocks is None:
-            budget = kv_cache_bytes or self._default_kv_budget(gpu_memory_fraction)
+            block_bytes = block_size * self.kv_bytes_per_token
+            budget = kv_cache_bytes or (
+                kv_budget_from_left(
+                    available,
+                    fixed.total,
+                    fraction=0.5,
+                    cap=DEFAULT_CPU_KV_BYTES,
+                    floor=block_bytes,
+                )
+                if on_cpu
+                else self._default_kv_budget(gpu_memory_fraction)
+            )
             num_blocks = num_blocks_for_budget(
                 budget, block_size=block_size, kv_bytes_per_token=self.kv_bytes_per_token
             )
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        kv_pool = num_blocks * block_size * self.kv_bytes_per_token if on_cpu else 0
+        self.memory_plan = dataclasses.replace(fixed, kv_pool=kv_pool)
+        if on_cpu:
+            # refused before the pool is allocated, never an OOM kill in mid-request
+            self.memory_plan.check()
+            log.info("%s", self.memory_plan.summary())
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv(config, num_blocks)
         # GGUF block weights or float32 matrices under the native backend: small decode steps
@@ -309,25 +352,43 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
 
     def _build_model(
-        self, config: ModelConfig, tensors: dict[str, torch.Tensor] | None, seed: int
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor] | MappedGGUF | None,
+        seed: int,
     ) -> LlamaModel:
         with torch.device("meta"):
             model = LlamaModel(config, self.max_model_len, self.backend.fused_ops)
-        if tensors is None:
+        self.mapped_weight_bytes = self.copied_weight_bytes = 0
+        if isinstance(tensors, MappedGGUF):
+            assign_mapped_weights(model, tensors)
+            self.mapped_weight_bytes = tensors.mapped_bytes
+            self.copied_weight_bytes = tensors.copied_bytes
+        elif tensors is None:
             _random_init_(model, self.device, self.dtype, seed)
         else:
             model.load_hf_weights(tensors)
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        if not isinstance(tensors, MappedGGUF):
+            self.copied_weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.weight_quant == "gguf":
-            if not self.model_path.lower().endswith(".gguf"):
+            if not isinstance(tensors, MappedGGUF):
                 raise ValueError(
                     f"weight_quant gguf needs a .gguf checkpoint, not {self.model_path}"
                 )
-            use_block_weights_(model, load_gguf_block_weights(self.model_path, config))
             self.dense_weight_bytes = keep_dense_block_weights_(model, self.dense_prefill_bytes)
         if self.weight_quant == "int8":
             quantize_model_(model)
         return model
+
+    def _scratch_bytes(self, config: ModelConfig, step_tokens: int = 2048) -> int:
+        """A prefill step's float32 activations (hidden, q/k/v, gate/up and attention for
+        ``step_tokens``) and the largest matrix widened for it where no dense copy is kept."""
+        c = config
+        width = 4 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        activations = step_tokens * (width + 3 * c.intermediate_size) * 4
+        widened = 0 if self.dense_weight_bytes else 2 * c.intermediate_size * c.hidden_size * 4
+        return activations + widened + c.vocab_size * 4 * 16
 
     def _default_kv_budget(self, fraction: float) -> int:
         if self.device.type != "cuda":

@@ -180,9 +180,7 @@ def _dense(weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
     return block_quant_dequantize(weight)
 
 
-def _stack_linear(
-    x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None
-) -> torch.Tensor:
+def _stack_linear(x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows <= BLOCK_KERNEL_MAX_ROWS:
         out = weight.matmul(x, int8_activations=weight.int8_activations)
@@ -191,9 +189,7 @@ def _stack_linear(
     return out if bias is None else out + bias
 
 
-def embedding(
-    ids: torch.Tensor, table: torch.Tensor | BlockQuantWeight
-) -> torch.Tensor:
+def embedding(ids: torch.Tensor, table: torch.Tensor | BlockQuantWeight) -> torch.Tensor:
     """Rows ``ids`` of the embedding table, float32 for a block table (only the rows asked for
     are widened: a mapped model never holds its float32 table)."""
     if isinstance(table, BlockQuantWeight):

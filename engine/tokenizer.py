@@ -6,6 +6,7 @@ GGUF converter) and cached as tokenizer.json under ``cache_dir``, so later start
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -17,7 +18,15 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 
-from prefixrag.engine.weights.weight_cache import cache_key
+# bumped when the cached conversion's layout changes
+TOKENIZER_CACHE_VERSION = 1
+
+
+def cache_key(source: str | Path) -> str:
+    """A hex key that changes whenever the source file's path, size or mtime changes."""
+    stat = Path(source).stat()
+    ident = f"{TOKENIZER_CACHE_VERSION}|{Path(source).resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
 class Tokenizer:

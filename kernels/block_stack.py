@@ -32,7 +32,9 @@ class BlockStack:
         if not self.parts:
             raise ValueError("a block stack needs at least one part")
         if len({p.shape[1] for p in self.parts}) != 1:
-            raise ValueError(f"stacked parts need one K, got {[tuple(p.shape) for p in self.parts]}")
+            raise ValueError(
+                f"stacked parts need one K, got {[tuple(p.shape) for p in self.parts]}"
+            )
 
     @property
     def shape(self) -> torch.Size:

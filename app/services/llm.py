@@ -162,6 +162,11 @@ class LLMService:
         by_replica = getattr(self.engine, "stats_by_replica", None)
         return by_replica() if by_replica is not None else {"": self.engine.stats()}
 
+    def memory_plan(self) -> dict[str, int] | None:
+        """The embedded engine's memory plan in bytes (weights, KV pool, chunk host tier,
+        scratch, available), or None with replicas (each plans for itself)."""
+        return getattr(self.engine, "memory_plan", None)
+
     def replicas(self) -> list[dict[str, Any]] | None:
         """Each engine replica and its state, or None for the embedded engine (blocking)."""
         replicas = getattr(self.engine, "replicas", None)

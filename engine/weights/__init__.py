@@ -1,4 +1,5 @@
-"""Checkpoint loading: a GGUF file or a Hugging Face safetensors directory, by path."""
+"""Checkpoint loading: a GGUF file (mapped, see gguf_blocks) or a Hugging Face safetensors
+directory, by path. Nothing is converted to disk."""
 
 from __future__ import annotations
 
@@ -7,33 +8,43 @@ from pathlib import Path
 import torch
 
 from prefixrag.engine.model_config import ModelConfig
+from prefixrag.engine.weights.gguf_blocks import MappedGGUF, map_gguf
+from prefixrag.engine.weights.gguf_file import GGUFFile, read_gguf_file
 from prefixrag.engine.weights.gguf_loader import load_gguf
 from prefixrag.engine.weights.hf_loader import load_hf_dir
-from prefixrag.engine.weights.weight_cache import WeightCache
 
 
-def load_checkpoint(
-    path: str | Path, cache_dir: str | Path | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named tensors of the checkpoint at ``path``.
-
-    A ``.gguf`` file is dequantized to float32; with ``cache_dir`` the result is cached there and
-    later calls read the cache instead. A directory is read as config.json + safetensors.
-    """
+def check_checkpoint(path: str | Path) -> Path:
+    """``path`` as a checkpoint: a ``.gguf`` file or a directory; ValueError otherwise."""
     source = Path(path)
     if source.is_dir():
-        return load_hf_dir(source)
+        return source
     if not source.is_file():
         raise ValueError(f"no model checkpoint at {source}")
     if source.suffix.lower() != ".gguf":
         raise ValueError(f"{source} is neither a .gguf file nor a Hugging Face directory")
-    cache = WeightCache(cache_dir) if cache_dir is not None else None
-    if cache is not None and (hit := cache.load(source)) is not None:
-        return hit
-    config, tensors = load_gguf(str(source))
-    if cache is not None:
-        cache.store(source, config, tensors)
-    return config, tensors
+    return source
 
 
-__all__ = ["WeightCache", "load_checkpoint", "load_gguf", "load_hf_dir"]
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named dense tensors of the checkpoint at ``path``: a ``.gguf`` file is
+    dequantized tensor by tensor to ``dtype`` (for runners that do not read blocks: CUDA, int8,
+    or no C compiler); a directory is read as config.json + safetensors."""
+    source = check_checkpoint(path)
+    if source.is_dir():
+        return load_hf_dir(source)
+    return load_gguf(str(source), dtype)
+
+
+__all__ = [
+    "GGUFFile",
+    "MappedGGUF",
+    "check_checkpoint",
+    "load_checkpoint",
+    "load_gguf",
+    "load_hf_dir",
+    "map_gguf",
+    "read_gguf_file",
+]

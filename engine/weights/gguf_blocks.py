@@ -1,68 +1,103 @@
-"""The matmul weights of a GGUF file kept in the file's own blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K).
+"""A GGUF file's weights, mapped read-only: its matmul tensors stay in the file's own blocks.
 
-These stand for exactly the float32 matrices :func:`engine.weights.gguf_loader.load_gguf`
-dequantizes, under the model's fused names (q/k/v in one matrix, gate/up in another, Q/K rows
-in rotate-half order), so swapping them in changes the bytes a decode step reads, not the model.
+gguf-py maps the file once; every tensor is a view (offset, type, shape) into the map, checked
+against the file's size before use. By type:
+- Q4_K and Q6_K (a Q4_K_M file's matrices): the file's own rows, read where they lie;
+- Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q5_K: split once into the kernel's planes (a copy of about the
+  file's bytes, never a float32 one);
+- F32, F16, BF16: widened to float32 (norms and biases; the matrices of an unquantized file);
+- any other type is refused, naming the tensor.
+Nothing is written to disk. The config comes from the file's metadata.
 """
 
 from __future__ import annotations
 
-import gguf
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from prefixrag.engine.model_config import ModelConfig
-from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
-from prefixrag.kernels.block_quant_matmul import MAX_K, BlockQuantWeight
+from prefixrag.engine.weights.gguf_file import GGUFFile, read_gguf_file
+from prefixrag.engine.weights.gguf_loader import hf_name, model_config_from
+from prefixrag.kernels.block_quant_matmul import KQUANT_GGUF_TYPES, MAX_K, BlockQuantWeight
 from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
 
-
-def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:
-    order = unpermute_rotary_rows(np.arange(rows)[:, None], num_heads)[:, 0]
-    return torch.from_numpy(order.astype(np.int64))
+FILE_ROW_KINDS = {gguf_type: kind for kind, gguf_type in KQUANT_GGUF_TYPES.items()}
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def load_gguf_block_weights(path: str, config: ModelConfig) -> dict[str, BlockQuantWeight]:
-    """Block weights by model attribute (``layers.3.attn.qkv_weight``, ``lm_head_weight``).
+@dataclass(slots=True)
+class MappedGGUF:
+    """The weights of one GGUF file under Hugging Face names: ``blocks`` for the matmuls the
+    kernels read in blocks, ``dense`` float32 for the rest. ``mapped_bytes`` are read in place
+    from the map; ``copied_bytes`` were made at load (planes and float32 tensors)."""
 
-    A matrix is left out (it stays float32) when any of its parts is in a block format the kernel
-    lacks, or is wider than the kernel's row buffer (``MAX_K``).
-    """
-    reader = gguf.GGUFReader(path)
-    raw = {t.name: t for t in reader.tensors}
-    is_permuted = config.architecture == "llama"
+    config: ModelConfig
+    blocks: dict[str, BlockQuantWeight]
+    dense: dict[str, torch.Tensor]
+    mapped_bytes: int
+    copied_bytes: int
+    file_bytes: int
+    # the parsed header and the map the views point into
+    file: GGUFFile = field(repr=False)
 
-    def block(name: str, num_heads: int | None = None) -> BlockQuantWeight | None:
-        t = raw.get(name)
-        if t is None or t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
-            return None
-        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dims innermost first
-        if shape[1] > MAX_K:
-            return None
-        w = from_gguf_blocks(t.data, t.tensor_type.name, shape)
-        if is_permuted and num_heads is not None:
-            w = w.select_rows(_rotary_row_order(shape[0], num_heads))
-        return w
 
-    def fused(*parts: BlockQuantWeight | None) -> BlockQuantWeight | None:
-        if any(p is None for p in parts) or not BlockQuantWeight.can_fuse(list(parts)):  # type: ignore[arg-type]
-            return None
-        return BlockQuantWeight.cat(list(parts))  # type: ignore[arg-type]
+def _matrix_types() -> str:
+    planes = (t for t in SUPPORTED_GGUF_TYPES if t not in FILE_ROW_KINDS)
+    return ", ".join((*FILE_ROW_KINDS, *planes, *FLOAT_TYPES))
 
-    out: dict[str, BlockQuantWeight | None] = {}
-    for i in range(config.num_layers):
-        p = f"blk.{i}."
-        out[f"layers.{i}.attn.qkv_weight"] = fused(
-            block(p + "attn_q.weight", config.num_heads),
-            block(p + "attn_k.weight", config.num_kv_heads),
-            block(p + "attn_v.weight"),
-        )
-        out[f"layers.{i}.attn.o_weight"] = block(p + "attn_output.weight")
-        out[f"layers.{i}.mlp.gate_up_weight"] = fused(
-            block(p + "ffn_gate.weight"), block(p + "ffn_up.weight")
-        )
-        out[f"layers.{i}.mlp.down_weight"] = block(p + "ffn_down.weight")
-    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    out["lm_head_weight"] = block(head)
-    return {name: w for name, w in out.items() if w is not None}
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    # the map is read-only, and no kernel writes to weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _float32(raw: np.ndarray, gguf_type: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if gguf_type == "BF16":  # the top half of a float32
+        wide = raw.view(np.uint16).astype(np.uint32) << 16
+        array = wide.view(np.float32)
+    else:
+        array = raw.view(np.float32 if gguf_type == "F32" else np.float16).astype(np.float32)
+    return torch.from_numpy(array.reshape(shape))
+
+
+def map_gguf(path: str | Path) -> MappedGGUF:
+    """Map ``path`` and build its weights (see the module doc); ValueError for a file the engine
+    cannot run, naming the tensor, its type and what is supported."""
+    file = read_gguf_file(path)
+    shapes = {t.name: tuple(reversed(t.shape)) for t in file.tensors}
+    config = model_config_from(
+        file.metadata, shapes, file.array_lengths.get("tokenizer.ggml.tokens")
+    )
+    blocks: dict[str, BlockQuantWeight] = {}
+    dense: dict[str, torch.Tensor] = {}
+    mapped = copied = 0
+    for t in file.tensors:
+        name, gguf_type, shape = hf_name(t.name), t.type_name, t.shape
+        raw = file.tensor_bytes(t)
+        if gguf_type in FLOAT_TYPES:
+            dense[name] = _float32(raw, gguf_type, shape)
+            copied += dense[name].numel() * 4
+            continue
+        if (
+            len(shape) != 2
+            or shape[1] > MAX_K
+            or (gguf_type not in FILE_ROW_KINDS and gguf_type not in SUPPORTED_GGUF_TYPES)
+        ):
+            raise ValueError(
+                f"{t.name}: tensor type {gguf_type} of shape {shape} is not supported; the "
+                f"engine runs matrices of {_matrix_types()} with rows up to {MAX_K} wide"
+            )
+        if gguf_type in FILE_ROW_KINDS:
+            codes = _as_tensor(raw.reshape(shape[0], -1))
+            blocks[name] = BlockQuantWeight(FILE_ROW_KINDS[gguf_type], codes, None, None)
+            mapped += blocks[name].nbytes
+        else:
+            blocks[name] = from_gguf_blocks(raw, gguf_type, shape)  # type: ignore[arg-type]
+            copied += blocks[name].nbytes
+    return MappedGGUF(config, blocks, dense, mapped, copied, file.data.size, file)

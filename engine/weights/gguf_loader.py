@@ -84,13 +84,21 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     """The model config of an open GGUF file, optional keys derived as llama.cpp does."""
     meta = read_gguf_metadata(reader)
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    return model_config_from(meta, shapes, gguf_array_length(reader, "tokenizer.ggml.tokens"))
+
+
+def model_config_from(
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], token_count: int | None
+) -> ModelConfig:
+    """The model config from a file's metadata, its tensors' shapes (GGUF order, innermost
+    first) and its vocabulary's length, optional keys derived as llama.cpp does."""
     embedding = shapes.get("token_embd.weight")
     # GGUF lists dims innermost first: token_embd is (hidden, vocab).
     embedding_rows = embedding[1] if embedding is not None and len(embedding) == 2 else None
     config = ModelConfig.from_gguf_metadata(
         meta,
         has_output_weight="output.weight" in shapes,
-        token_count=gguf_array_length(reader, "tokenizer.ggml.tokens"),
+        token_count=token_count,
         embedding_rows=embedding_rows,
     )
     if embedding_rows is not None and embedding_rows != config.vocab_size:
@@ -102,8 +110,11 @@ def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
     return config
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and float32 HF-named tensors of a GGUF file (dequantized, rotary rows restored)."""
+def load_gguf(
+    path: str, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named tensors of a GGUF file, dequantized one by one to ``dtype`` (so a
+    16-bit load never holds the float32 model), rotary rows restored."""
     reader = gguf.GGUFReader(path)
     config = gguf_model_config(reader)
     # Only llama.cpp's *llama* converter permutes Q/K; qwen2 files keep HF order.
@@ -116,5 +127,5 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         elif is_permuted and ".attn_k." in t.name:
             array = unpermute_rotary_rows(array, config.num_kv_heads)
         # dequantize returns numpy in row-major [out, in] order, which is already HF's layout.
-        tensors[hf_name(t.name)] = torch.from_numpy(np.array(array, copy=True))
+        tensors[hf_name(t.name)] = torch.from_numpy(np.array(array, copy=True)).to(dtype)
     return config, tensors

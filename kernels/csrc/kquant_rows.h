@@ -18,6 +18,9 @@
 #define PREFIXRAG_KQUANT_ROWS_H
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define KIND_Q4K 44
 #define KIND_Q6K 66
@@ -31,10 +34,13 @@ static inline int64_t kquant_row_bytes(int kind, int64_t k) {
     return (k / QK_K) * (kind == KIND_Q4K ? Q4K_BYTES : Q6K_BYTES);
 }
 
-/* IEEE half to float, exact (no F16C needed: this runs once per 256 weights) */
+/* IEEE half to float, exact (F16C where the build has it) */
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
     if (exp == 0) {
         const float f = (float)mant * 5.9604644775390625e-8f; /* mant * 2^-24, exact */
@@ -45,29 +51,57 @@ static inline float half_at(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
+}
+
+/* A Q4_K super-block's eight 6-bit scales and mins (bytes 4..15) as bytes sc[8], mn[8]:
+ * sub-block j < 4 keeps its scale and min in the low 6 bits of bytes j and j + 4; j >= 4 in the
+ * nibbles of byte j + 4, with the top 2 bits in the spare high bits of bytes j - 4 and j. Done
+ * four bytes at a time in 32-bit words: a row's scales cost as much as its codes otherwise. */
+static inline void q4k_scale_bytes(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    uint32_t w[3], out[4];
+    memcpy(w, q, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(mn, out + 2, 8);
 }
 
 /* A row's scales as plane floats: Q4_K d[b] = fl(d sc_b), m[b] = -fl(dmin mn_b) per 32; Q6_K
- * d[i] = fl(d sc_i) per 16 (m untouched). Sub-block j < 4 of a Q4_K keeps its scale and min in
- * the low 6 bits of bytes j and j + 4; j >= 4 in the nibbles of byte j + 4, with the top 2 bits
- * in the spare high bits of bytes j - 4 and j. */
-static inline void kquant_row_scales(int kind, const uint8_t *row, int64_t k, float *d,
+ * d[i] = fl(d sc_i) per 16 (m untouched). -fl(a b) is fl((-a) b): rounding is symmetric. */
+static inline __attribute__((always_inline)) void kquant_row_scales(int kind, const uint8_t *row, int64_t k, float *d,
                                      float *m) {
     for (int64_t s = 0; s < k / QK_K; s++) {
         if (kind == KIND_Q4K) {
-            const uint8_t *sb = row + s * Q4K_BYTES, *q = sb + 4;
+            const uint8_t *sb = row + s * Q4K_BYTES;
             const float dd = half_at(sb), dmin = half_at(sb + 2);
+            uint8_t sc[8], mn[8];
+            q4k_scale_bytes(sb + 4, sc, mn);
+#if defined(__AVX2__)
+            const __m256 vsc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+            const __m256 vmn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+            _mm256_storeu_ps(d + s * 8, _mm256_mul_ps(_mm256_set1_ps(dd), vsc));
+            _mm256_storeu_ps(m + s * 8, _mm256_mul_ps(_mm256_set1_ps(-dmin), vmn));
+#else
             for (int j = 0; j < 8; j++) {
-                const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
-                const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-                d[s * 8 + j] = dd * (float)sc;
-                m[s * 8 + j] = -(dmin * (float)mn);
+                d[s * 8 + j] = dd * (float)sc[j];
+                m[s * 8 + j] = -(dmin * (float)mn[j]);
             }
+#endif
         } else {
             const uint8_t *sb = row + s * Q6K_BYTES;
-            const int8_t *sc = (const int8_t *)(sb + 192);
             const float dd = half_at(sb + 208);
+#if defined(__AVX2__)
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 192));
+            const __m256 vd = _mm256_set1_ps(dd);
+            _mm256_storeu_ps(d + s * 16, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+            _mm256_storeu_ps(d + s * 16 + 8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
+            const int8_t *sc = (const int8_t *)(sb + 192);
             for (int i = 0; i < 16; i++) d[s * 16 + i] = dd * (float)sc[i];
+#endif
         }
     }
 }
@@ -89,9 +123,8 @@ static inline void q6k_block_codes_scalar(const uint8_t *row, int64_t b, int8_t 
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 /* q6k_block_codes_scalar in one vector: 16-bit shifts, then byte masks, keep bytes apart */
-static inline __m256i q6k_block_codes(const uint8_t *row, int64_t b) {
+static inline __attribute__((always_inline)) __m256i q6k_block_codes(const uint8_t *row, int64_t b) {
     const int sub = (int)(b & 7), half = sub >> 2, q = sub & 3;
     const uint8_t *sb = row + (b >> 3) * Q6K_BYTES;
     const __m256i l = _mm256_loadu_si256((const __m256i *)(sb + half * 64 + 32 * (q & 1)));
@@ -104,7 +137,7 @@ static inline __m256i q6k_block_codes(const uint8_t *row, int64_t b) {
 }
 #endif
 
-static inline void q6k_codes(const uint8_t *row, int64_t b, int8_t *c) {
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *row, int64_t b, int8_t *c) {
 #if defined(__AVX2__)
     _mm256_storeu_si256((__m256i *)c, q6k_block_codes(row, b));
 #else

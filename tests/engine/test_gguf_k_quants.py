@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from bench.requantize import PeerMissing, requantize
-from prefixrag.engine.weights.gguf_blocks import load_gguf_block_weights
-from prefixrag.engine.weights.gguf_loader import load_gguf
+from prefixrag.engine.weights import map_gguf
+from prefixrag.engine.weights.gguf_loader import load_gguf, unpermute_rotary_rows
 from prefixrag.kernels.block_quant_matmul import block_quant_dequantize
 from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
 
 # the file type, and the types of its 1,536-wide ffn_down (a K-quant and Q6_K in places)
 FILE_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}}
-KIND_OF = {"Q4_K": "q4", "Q5_K": "q8m", "Q6_K": "q8_16"}
+# the file's own rows for Q4_K and Q6_K, planes for Q5_K
+KIND_OF = {"Q4_K": "q4_k", "Q5_K": "q8m", "Q6_K": "q6_k"}
 
 
 @pytest.fixture(scope="module", params=list(FILE_TYPES))
@@ -48,24 +49,9 @@ def test_block_tensors_repack_bit_for_bit(k_quant_path):
         assert torch.equal(block_quant_dequantize(w), torch.from_numpy(expected)), t.name
 
 
-def dense_parts(name: str, dense: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float32 matrix a block weight of the model stands for, from the dense load."""
-    if name == "lm_head_weight":
-        return dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
-    _, i, _, weight = name.split(".")
-    p = f"model.layers.{i}."
-    parts = {
-        "qkv_weight": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-        "o_weight": ["self_attn.o_proj"],
-        "gate_up_weight": ["mlp.gate_proj", "mlp.up_proj"],
-        "down_weight": ["mlp.down_proj"],
-    }[weight]
-    return torch.cat([dense[p + part + ".weight"] for part in parts])
-
-
 def test_block_weights_are_the_dense_load(k_quant_path):
-    config, dense = load_gguf(k_quant_path)
-    blocks = load_gguf_block_weights(k_quant_path, config)
+    _, dense = load_gguf(k_quant_path)
+    mapped = map_gguf(k_quant_path)
     reader = gguf.GGUFReader(k_quant_path)
     down_types = {
         int(t.name.split(".")[1]): t.tensor_type.name
@@ -74,8 +60,13 @@ def test_block_weights_are_the_dense_load(k_quant_path):
     }
     assert set(down_types.values()) in FILE_TYPES.values()
     for i, gguf_type in down_types.items():
-        assert blocks[f"layers.{i}.mlp.down_weight"].kind == KIND_OF[gguf_type]
-    # every matrix stays in blocks (Q5_0 and Q8_0 attention parts fuse: both are q8)
-    assert len(blocks) == 4 * config.num_layers + 1
-    for name, w in blocks.items():
-        assert torch.equal(block_quant_dequantize(w), dense_parts(name, dense)), name
+        assert mapped.blocks[f"model.layers.{i}.mlp.down_proj.weight"].kind == KIND_OF[gguf_type]
+    # every matrix stays in blocks, and each is the matrix the dense load widens
+    assert len(mapped.blocks) == 7 * mapped.config.num_layers + 1
+    heads = {"q_proj": mapped.config.num_heads, "k_proj": mapped.config.num_kv_heads}
+    for name, w in mapped.blocks.items():
+        got = block_quant_dequantize(w)
+        proj = name.split(".")[-2]
+        if proj in heads:  # the file keeps llama.cpp's rotary row order; the model restores it
+            got = torch.from_numpy(unpermute_rotary_rows(got.numpy(), heads[proj]))
+        assert torch.equal(got, dense[name]), name

@@ -197,6 +197,15 @@ def _int8_engine(request, *, enable_prefix_cache: bool) -> LLMEngine:
     return LLMEngine(config, runner=runner)
 
 
+def _has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(ln.startswith("flags") and " avx512f" in ln for ln in f)
+
+
+# NOTE: torch's int8 kernel (_weight_int8pack_mm) sums a row differently by batch on AVX2-only
+# hosts (a 2-core AMD EPYC: the second prompt's greedy tokens part at token 15 with the cache
+# on, on the code before the mapped loader too); on AVX-512 hosts a row's result stands alone
+@pytest.mark.skipif(not _has_avx512(), reason="int8 rows depend on the batch without AVX-512")
 def test_int8_greedy_output_is_the_same_with_prefix_cache_on_and_off(request):
     # Requests one at a time, and a batch of fully cached prompts. Mixed batches of prefills and
     # decodes can differ under int8 (bf16 activations amplify batching's rounding), which is why
@@ -230,22 +239,14 @@ def test_gguf_weight_quant_needs_cpu_float32_and_a_gguf_file(tmp_path):
         ModelRunner(tmp_path, num_blocks=4, weight_quant="gguf")
 
 
-def test_block_weights_leave_out_matrices_the_kernel_cannot_take(monkeypatch):
-    import gguf
-
-    from prefixrag.engine.model_config import ModelConfig
+def test_a_matrix_wider_than_the_kernel_is_refused_by_name(monkeypatch):
     from prefixrag.engine.weights import gguf_blocks
-    from prefixrag.engine.weights.gguf_loader import read_gguf_metadata
 
-    meta = read_gguf_metadata(gguf.GGUFReader(packaged_llm_path()))
-    config = ModelConfig.from_gguf_metadata(meta, has_output_weight=False)
-    all_blocks = gguf_blocks.load_gguf_block_weights(packaged_llm_path(), config)
-    assert f"layers.{config.num_layers - 1}.mlp.down_weight" in all_blocks
-    # a row buffer narrower than the MLP width: down_proj (K = intermediate) must stay float
+    config = gguf_blocks.map_gguf(packaged_llm_path()).config
+    # a row buffer narrower than the MLP width: down_proj (K = intermediate) cannot run
     monkeypatch.setattr(gguf_blocks, "MAX_K", config.intermediate_size - 1)
-    some = gguf_blocks.load_gguf_block_weights(packaged_llm_path(), config)
-    assert not any(name.endswith("down_weight") for name in some)
-    assert set(some) == {n for n in all_blocks if not n.endswith("down_weight")}
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight: tensor type Q4_1"):
+        gguf_blocks.map_gguf(packaged_llm_path())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])

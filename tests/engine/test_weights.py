@@ -1,8 +1,6 @@
-"""Weight loading: GGUF name mapping and rotary un-permutation, HF directories, the weight cache."""
+"""Weight loading: GGUF name mapping and rotary un-permutation, HF directories."""
 
 from __future__ import annotations
-
-import os
 
 import gguf
 import numpy as np
@@ -11,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixrag.engine.model_config import ModelConfig
-from prefixrag.engine.weights import WeightCache, load_checkpoint
+from prefixrag.engine.weights import load_checkpoint
 from prefixrag.engine.weights.gguf_loader import unpermute_rotary_rows
 
 TINY = {
@@ -123,41 +121,6 @@ def test_hf_directory_loads_config_and_tensors(tmp_path):
     assert config.tie_word_embeddings and config.num_layers == 2
     expected = model.state_dict()["model.layers.1.mlp.up_proj.weight"]
     torch.testing.assert_close(tensors["model.layers.1.mlp.up_proj.weight"], expected)
-
-
-def test_second_load_reads_the_cache_not_the_gguf(tiny_gguf, tmp_path, monkeypatch):
-    cache_dir = tmp_path / "cache"
-    config, tensors = load_checkpoint(tiny_gguf, cache_dir)
-    cached_file = WeightCache(cache_dir).path_for(tiny_gguf)
-    assert cached_file.is_file()
-    assert [p.name for p in cache_dir.iterdir()] == [cached_file.name]  # no temp files left
-
-    def no_conversion(path: str):
-        raise AssertionError(f"GGUF {path} was converted again despite the cache")
-
-    monkeypatch.setattr("prefixrag.engine.weights.load_gguf", no_conversion)
-    config2, tensors2 = load_checkpoint(tiny_gguf, cache_dir)
-    assert config2 == config
-    assert tensors2.keys() == tensors.keys()
-    for name in tensors:
-        torch.testing.assert_close(tensors2[name], tensors[name], rtol=0, atol=0)
-
-
-def test_cache_key_follows_the_source_file(tiny_gguf, tmp_path):
-    cache = WeightCache(tmp_path / "cache")
-    before = cache.path_for(tiny_gguf)
-    stat = os.stat(tiny_gguf)
-    os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert cache.path_for(tiny_gguf) != before
-
-
-def test_corrupt_cache_entry_is_ignored(tiny_gguf, tmp_path):
-    cache = WeightCache(tmp_path / "cache")
-    cache.cache_dir.mkdir()
-    cache.path_for(tiny_gguf).write_bytes(b"not a safetensors file")
-    assert cache.load(tiny_gguf) is None
-    config, _ = load_checkpoint(tiny_gguf, cache.cache_dir)
-    assert cache.load(tiny_gguf) is not None and config.num_layers == 2
 
 
 def test_config_round_trips_through_dict():

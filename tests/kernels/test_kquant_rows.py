@@ -69,7 +69,9 @@ def test_int8_activations_on_file_rows(flags, gguf_type, kind):
 @KINDS
 def test_every_build_gives_file_rows_the_same_bits(gguf_type, kind):
     _, w = file_rows(gguf_type, kind, 11, 1024, seed=8)
-    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9)) * torch.logspace(-3, 3, 1024)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9)) * torch.logspace(
+        -3, 3, 1024
+    )
     for q8 in (False, True):
         got = {n: block_quant_matmul(x, w, f, int8_activations=q8) for n, f in ALL_FLAGS.items()}
         for name, result in got.items():

@@ -27,6 +27,9 @@ def readyz(state: StateDep) -> JSONResponse:
     replicas = state.llm.replicas() if state.llm is not None else None
     if replicas is not None:
         body["replicas"] = replicas
+    plan = state.llm.memory_plan() if state.llm is not None else None
+    if plan is not None:
+        body["memory_plan"] = plan
     if state.is_ready:
         return JSONResponse({"status": "ok", **body})
     return JSONResponse({"status": "not ready", **body}, status_code=503)
