@@ -1,4 +1,4 @@
-"""Matmul with GGUF block-quantized weights on CPU, beside its torch reference.
+"""Matmul with GGUF block-quantized weights on CPU.
 
 A :class:`BlockQuantWeight` keeps a weight matrix [N, K] in the checkpoint's own 32-element
 blocks, split into planes the kernel reads directly: 4-bit codes and per-block float32 scale ``d``
@@ -13,8 +13,8 @@ rows (uint8 [N, K/256 * 144] and [N, K/256 * 210]), usually a view into the mapp
 kernels widen each row's scales as they reach it (csrc/kquant_rows.h): the same bits as the
 planes they would convert to, at the file's 4.5 and 6.56 bits a weight.
 
-``block_quant_matmul`` is the C kernel (csrc/block_quant_matmul.c); ``block_quant_matmul_torch``
-is the reference.
+``block_quant_matmul`` is the C kernel (csrc/block_quant_matmul.c); its torch references are in
+kernels/block_quant_reference.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MAX_K = 16384
 QK_K = 256
 _KIND = {"q4": 4, "q8": 8, "q8_16": 16, "q8m": 9, "q4_k": 44, "q6_k": 66}
 # elements per scale: q8_16 is q8 with a d per 16 codes (Q6_K's sub-blocks)
-_SCALE_BLOCK = {"q4": QBLOCK, "q8": QBLOCK, "q8_16": QBLOCK // 2, "q8m": QBLOCK}
+SCALE_BLOCK = {"q4": QBLOCK, "q8": QBLOCK, "q8_16": QBLOCK // 2, "q8m": QBLOCK}
 _WITH_M = ("q4", "q8m")
 # the file's own rows: bytes per super-block of 256 weights, and the GGUF type they come from
 KQUANT_BYTES = {"q4_k": 144, "q6_k": 210}
@@ -99,7 +99,7 @@ class BlockQuantWeight:
             rows, row_bytes = self.codes.shape
             return torch.Size((rows, row_bytes // KQUANT_BYTES[self.kind] * QK_K))
         assert self.d is not None
-        return torch.Size((self.d.shape[0], self.d.shape[1] * _SCALE_BLOCK[self.kind]))
+        return torch.Size((self.d.shape[0], self.d.shape[1] * SCALE_BLOCK[self.kind]))
 
     @property
     def nbytes(self) -> int:
@@ -149,35 +149,6 @@ class BlockQuantWeight:
         )
 
 
-def as_planes(w: BlockQuantWeight) -> BlockQuantWeight:
-    """A K-quant weight as the planes it stands for (kernels/gguf_planes.py, in numpy: an
-    independent reading of the same bytes); any other weight as it is."""
-    if not w.is_kquant:
-        return w
-    from prefixrag.kernels.gguf_planes import from_gguf_blocks  # it imports this module
-
-    return from_gguf_blocks(w.codes.numpy(), KQUANT_GGUF_TYPES[w.kind], tuple(w.shape))
-
-
-def dequantize_torch(w: BlockQuantWeight) -> torch.Tensor:
-    """The float32 matrix [N, K] in torch (the reference)."""
-    w = as_planes(w)
-    n, k = w.shape
-    d = w.d.repeat_interleave(_SCALE_BLOCK[w.kind], dim=1)
-    if w.kind == "q8m":
-        return torch.addcmul(w.m.repeat_interleave(QBLOCK, dim=1), d, w.codes.float())  # type: ignore[union-attr]
-    if w.kind != "q4":
-        return w.codes.float() * d
-    blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(n, k).float()
-    return torch.addcmul(w.m.repeat_interleave(QBLOCK, dim=1), d, codes)  # type: ignore[union-attr]
-
-
-def block_quant_matmul_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
-    """``x @ W.T`` through the dequantized matrix (the reference)."""
-    return x.float() @ dequantize_torch(w).T
-
-
 def _check(x: torch.Tensor, w: BlockQuantWeight) -> None:
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
@@ -207,7 +178,7 @@ def block_quant_matmul(
     build took. ``flags`` picks the build (tests build the AVX2 path with ``-mno-avx512f`` and
     the portable one with ``-mno-avx512f -mno-avx2``). ``int8_activations`` quantizes x's rows
     to int8 per block of 32 first, as llama.cpp's decode does (csrc/q8_act.h; see
-    :func:`q8_activations_fast` and :func:`block_quant_matmul_q8a_torch`).
+    :func:`q8_activations_fast` and block_quant_reference.block_quant_matmul_q8a_torch).
     """
     entry = "block_quant_matmul_q8a" if int8_activations else "block_quant_matmul"
     return _run_matmul(entry, x, w, flags, f"block_quant_matmul rejected K = {w.shape[1]}")
@@ -258,37 +229,6 @@ def q8_activations_fast(flags: tuple[str, ...] = DEFAULT_FLAGS) -> bool:
     Elsewhere they take portable C loops, slower than the float32 path, kept as the vector
     paths' yardstick."""
     return bool(load_library("block_quant_matmul.c", flags).block_quant_q8a_fast())
-
-
-def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] to (int8 codes [M, K], float32 scales [M, K/32]): per block of 32,
-    dx = max|x| / 127 and code = round-half-even(x * (127 / max|x|)); 0 for an all-zero block."""
-    blocks = x.float().reshape(x.shape[0], -1, QBLOCK)
-    amax = blocks.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.round(blocks * inv[..., None]).to(torch.int8)
-    return codes.reshape(x.shape), amax / 127.0
-
-
-def block_quant_matmul_q8a_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
-    """``x @ W.T`` with x quantized as :func:`quantize_activations_torch` does, in float64 from
-    the exact integer block sums (the reference; the C kernel differs by float32 rounding)."""
-    w = as_planes(w)
-    n, k = w.shape
-    codes, dx = quantize_activations_torch(x)
-    xq = codes.double().reshape(x.shape[0], 1, k // QBLOCK, QBLOCK)
-    wd = dequantize_torch(w).double().reshape(1, n, k // QBLOCK, QBLOCK)
-    # w = d * c + m exactly in float64 (the float32 dequantization rounds once; recover d * c + m
-    # from the planes instead so the reference carries no float32 rounding of its own)
-    if w.kind == "q4":
-        blocks = w.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
-        c = torch.cat([blocks & 15, blocks >> 4], dim=-1).double()
-    else:
-        c = w.codes.double().reshape(n, k // QBLOCK, QBLOCK)
-    d = w.d.double().repeat_interleave(_SCALE_BLOCK[w.kind], dim=1).reshape(n, k // QBLOCK, QBLOCK)
-    m = 0.0 if w.m is None else w.m.double()[..., None]
-    wd = (d * c + m)[None]
-    return ((xq * wd).sum(-1) * dx.double()[:, None, :]).sum(-1)
 
 
 def fixed_order_matmul(

@@ -11,6 +11,8 @@ from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     amx_ready,
     block_quant_matmul_amx,
+)
+from prefixrag.kernels.block_quant_reference import (
     dequantize_torch,
 )
 from prefixrag.kernels.native_build import DEFAULT_FLAGS

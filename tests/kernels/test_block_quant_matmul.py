@@ -12,11 +12,13 @@ from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
     block_quant_matmul,
-    block_quant_matmul_torch,
-    dequantize_torch,
     fixed_order_matmul,
     simd_lanes,
     tile_min_rows,
+)
+from prefixrag.kernels.block_quant_reference import (
+    block_quant_matmul_torch,
+    dequantize_torch,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from prefixrag.kernels.native_build import DEFAULT_FLAGS

@@ -10,9 +10,11 @@ from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
     block_quant_matmul,
-    block_quant_matmul_q8a_torch,
     block_quant_rows,
     fixed_order_matmul,
+)
+from prefixrag.kernels.block_quant_reference import (
+    block_quant_matmul_q8a_torch,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from tests.kernels.test_block_quant_matmul import (

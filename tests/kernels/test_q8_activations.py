@@ -11,9 +11,11 @@ import torch
 
 from prefixrag.kernels.block_quant_matmul import (
     block_quant_matmul,
+    q8_activations_fast,
+)
+from prefixrag.kernels.block_quant_reference import (
     block_quant_matmul_q8a_torch,
     block_quant_matmul_torch,
-    q8_activations_fast,
     quantize_activations_torch,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
