@@ -53,11 +53,12 @@ class EngineConfig:
     plain prefill). Entries evicted from the pool go to a host-RAM tier of ``chunk_host_bytes``
     and, with ``chunk_disk_dir``, to a disk tier of ``chunk_disk_bytes`` that survives restarts.
 
-    ``int8_activations`` (GGUF block weights on CPU): decode-sized matmuls (up to 16 rows) round
-    their inputs to int8 per block of 32, as llama.cpp's CPU decode does, and sum integer
-    products (AVX-512 VNNI or AVX2; kernels/csrc/q8_act.h). Off by default: the float32 path
-    gives the dequantized model's logits, and int8 inputs make them depend on how tokens were
-    batched.
+    ``int8_activations`` (GGUF block weights on CPU): block-kernel matmuls round their inputs
+    to int8 and sum integer products, as llama.cpp's CPU decode does: per block of 32 against
+    plane kinds (kernels/csrc/q8_act.h), per super-block of 256 against a file's Q4_K and Q6_K
+    rows (q8k_act.h, llama.cpp's own Q8_K). Off by default: the float32 path gives the
+    dequantized model's logits, and int8 inputs make them depend on how tokens were batched
+    where a long prefill takes the GEMM.
 
     ``cuda_graphs`` (CUDA only) replays decode steps of up to ``max_num_seqs`` sequences from
     captured graphs, one launch per step instead of hundreds (engine/decode_graphs.py).

@@ -45,6 +45,14 @@ log = logging.getLogger(__name__)
 # NOTE: up to this many rows a block weight runs the fused kernel (decode: bandwidth-bound);
 # past it, prefill is compute-bound and a float32 GEMM over the dequantized matrix wins.
 BLOCK_KERNEL_MAX_ROWS = 16
+# NOTE: a GGUF file's Q4_K / Q6_K rows keep the block kernel for more rows (a question of tens
+# of tokens after cached documents), where widening every matrix for the GEMM costs more than
+# the GEMM saves. Qwen2.5-Coder-1.5B Q4_K_M's layer matrices, 2 threads, 2-core AMD EPYC (AVX2),
+# per layer: with int8 activations (q8k_act.h) 35 ms at 32 rows and 125-153 ms at 128 against
+# the widening GEMM's 175 and 254 ms; with float32 activations 72 ms at 32 rows and 146-210 at
+# 64 against 175 and 195 (/tmp microbenchmarks of session 23, in the closing note).
+KQUANT_INT8_MAX_ROWS = 256
+KQUANT_FLOAT_MAX_ROWS = 48
 # NOTE: where the build has the block kernel's tiles (csrc/block_tiles.h, AVX-512), float32 rows
 # of x up to this many (a new question of tens of tokens after cached documents) take them, with
 # the bits a decode step gives each row. bench/prefill_matmul_bench.py, SmolLM2-135M Q4_1, 2
@@ -136,7 +144,9 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear`` for a plain, an :class:`Int8Weight` or a :class:`BlockQuantWeight` matrix.
 
-    A float32 CPU matmul of up to BLOCK_KERNEL_MAX_ROWS rows (a decode step) runs the block
+    A block weight of a file's K-quant rows keeps the block kernel up to
+    block_kernel_max_rows (tens to hundreds of rows: a short extend). A float32 CPU matmul of up
+    to BLOCK_KERNEL_MAX_ROWS rows (a decode step) runs the block
     kernel's C loop over the float32 rows (kernels/block_quant_matmul.py's fixed_order_matmul):
     it streams each weight row once at memory speed, where MKL's GEMV and small GEMM run at a
     third to a half of it on this path (bench/engine_bench.py's fp32 side). Past that many rows
@@ -148,7 +158,7 @@ def linear(
         return _stack_linear(x, weight, bias)
     if isinstance(weight, BlockQuantWeight):
         rows = x.numel() // x.shape[-1]
-        if rows <= BLOCK_KERNEL_MAX_ROWS:
+        if rows <= block_kernel_max_rows(weight):
             out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
         elif weight.is_kquant:  # the tiles and AMX read plane kinds only
             out = packed_linear(x, _dense(weight))
@@ -170,6 +180,15 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def block_kernel_max_rows(weight: BlockQuantWeight | BlockStack) -> int:
+    """The most rows of x a block weight multiplies in the block kernel; past them, the GEMM
+    over its widened matrix (see KQUANT_INT8_MAX_ROWS)."""
+    parts = weight.parts if isinstance(weight, BlockStack) else (weight,)
+    if not all(p.is_kquant for p in parts):
+        return BLOCK_KERNEL_MAX_ROWS
+    return KQUANT_INT8_MAX_ROWS if weight.int8_activations else KQUANT_FLOAT_MAX_ROWS
+
+
 def _dense(weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
     """The float32 matrix a prefill-sized matmul multiplies by: the kept copy (see
     keep_dense_block_weights_), or widened for this call."""
@@ -182,7 +201,7 @@ def _dense(weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
 
 def _stack_linear(x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows <= BLOCK_KERNEL_MAX_ROWS:
+    if rows <= block_kernel_max_rows(weight):
         out = weight.matmul(x, int8_activations=weight.int8_activations)
     else:
         out = packed_linear(x, _dense(weight))

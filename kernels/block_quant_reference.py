@@ -13,6 +13,7 @@ import torch
 from prefixrag.kernels.block_quant_matmul import (
     KQUANT_GGUF_TYPES,
     QBLOCK,
+    QK_K,
     SCALE_BLOCK,
     BlockQuantWeight,
 )
@@ -58,7 +59,11 @@ def quantize_activations_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def block_quant_matmul_q8a_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
     """``x @ W.T`` with x quantized as :func:`quantize_activations_torch` does, in float64 from
-    the exact integer block sums (the reference; the C kernel differs by float32 rounding)."""
+    the exact integer block sums (the reference; the C kernel differs by float32 rounding). A
+    K-quant W takes activations quantized per super-block instead (block_quant_matmul_q8k_torch),
+    as the C kernel does."""
+    if w.is_kquant:
+        return block_quant_matmul_q8k_torch(x, w).float()
     w = as_planes(w)
     n, k = w.shape
     codes, dx = quantize_activations_torch(x)
@@ -75,3 +80,34 @@ def block_quant_matmul_q8a_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.
     m = 0.0 if w.m is None else w.m.double()[..., None]
     wd = (d * c + m)[None]
     return ((xq * wd).sum(-1) * dx.double()[:, None, :]).sum(-1)
+
+
+def quantize_activations_q8k_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] to (int8 codes [M, K], float32 scales [M, K/256]) per super-block of 256, as
+    kernels/csrc/q8k_act.h quantizes a row for K-quant weights (llama.cpp's Q8_K): dx =
+    max|x| / 127 and code = round-half-even(x * (127 / max|x|))."""
+    blocks = x.float().reshape(x.shape[0], -1, QK_K)
+    amax = blocks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None]).to(torch.int8)
+    return codes.reshape(x.shape), amax / 127.0
+
+
+def block_quant_matmul_q8k_torch(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
+    """``x @ W.T`` for a K-quant W with x quantized per super-block, in float64: the planes'
+    d * c + m is exact in float64, so this is the exact sum the C kernel rounds in float32."""
+    planes = as_planes(w)
+    n, k = planes.shape
+    codes, dx = quantize_activations_q8k_torch(x)
+    if planes.kind == "q4":
+        blocks = planes.codes.reshape(n, k // QBLOCK, QBLOCK // 2)
+        c = torch.cat([blocks & 15, blocks >> 4], dim=-1).double().reshape(n, k)
+    else:
+        c = planes.codes.double()
+    d = planes.d.double().repeat_interleave(SCALE_BLOCK[planes.kind], dim=1)
+    wd = d * c
+    if planes.m is not None:
+        wd = wd + planes.m.double().repeat_interleave(QBLOCK, dim=1)
+    xq = codes.double().reshape(x.shape[0], 1, k // QK_K, QK_K)
+    per_super = (xq * wd.reshape(1, n, k // QK_K, QK_K)).sum(-1)
+    return (per_super * dx.double()[:, None, :]).sum(-1)

@@ -26,6 +26,7 @@
 #include "block_quant.h"
 #include "block_tiles.h"
 #include "q8_act.h"
+#include "q8k_act.h"
 
 #if defined(BQ_TILES)
 /* bq_tiles_for with its buffers: x's packed tiles, and each thread's weight tile. Returns 0, or
@@ -70,11 +71,39 @@ int block_quant_matmul(int kind, const float *x, const void *codes, const float 
     return 0;
 }
 
-/* block_quant_matmul with x's rows quantized to int8 first (q8_act.h). Returns 0, -1 for a bad
- * K or kind, -3 if scratch memory could not be had. */
+/* K-quant rows against x quantized per super-block (q8k_act.h), the rows quantized in
+ * parallel */
+static int kquant_matmul_q8k(int kind, const float *x, const void *codes, float *out,
+                             int64_t rows, int64_t n, int64_t k) {
+    const int64_t row_bytes = q8k_row_bytes(k), supers = k / QK_K;
+    char *buf = aligned_alloc(64, (size_t)(rows * row_bytes));
+    q8k_row *q = malloc((size_t)rows * sizeof(q8k_row));
+    if (!buf || !q) {
+        free(buf);
+        free(q);
+        return -3;
+    }
+    for (int64_t r = 0; r < rows; r++) q[r] = q8k_row_at(buf + r * row_bytes, k);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t e = 0; e < rows * supers; e++)
+            quantize_superblock_q8k(x + (e / supers) * k + (e % supers) * QK_K, e % supers,
+                                    q + e / supers);
+        q8k_matmul_for(kind, q, codes, out, rows, n, k, n);
+    }
+    free(q);
+    free(buf);
+    return 0;
+}
+
+/* block_quant_matmul with x's rows quantized to int8 first: per 32 against plane kinds
+ * (q8_act.h), per super-block against K-quant rows (q8k_act.h). Returns 0, -1 for a bad K or
+ * kind, -3 if scratch memory could not be had. */
 int block_quant_matmul_q8a(int kind, const float *x, const void *codes, const float *d,
                            const float *m, float *out, int64_t rows, int64_t n, int64_t k) {
     if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
+    if (is_kquant(kind)) return kquant_matmul_q8k(kind, x, codes, out, rows, n, k);
     const int64_t row_bytes = q8_row_bytes(k);
     char *buf = aligned_alloc(64, (size_t)(rows * row_bytes));
     q8_row *q = malloc((size_t)rows * sizeof(q8_row));

@@ -23,6 +23,7 @@
 #include "block_quant.h"
 #include "paged_attention.h"
 #include "q8_act.h"
+#include "q8k_act.h"
 #include "row_ops.h"
 
 #define MAX_ROWS 16 /* kernels/decode_step.py's MAX_ROWS */
@@ -116,25 +117,43 @@ static void merge_task(const decode_shape *sh, const int64_t *off, const float *
                  d, attn + b * sh->heads * d + g * group * d);
 }
 
-/* Int8 activations: rows of k floats quantized into q (row r's buffer at buf + r * stride) */
-static void quantize_rows(const float *x, int64_t rows, int64_t k, char *buf, int64_t stride,
-                          q8_row *q) {
+/* Int8 activation rows, each quantized twice where K allows: per 32 for plane kinds (q8_act.h)
+ * and per super-block for K-quant rows (q8k_act.h), row r's buffers at buf + r * stride */
+typedef struct {
+    q8_row q[MAX_ROWS];
+    q8k_row qk[MAX_ROWS];
+} act_rows;
+
+/* where row r's two buffers lie, for k */
+static void lay_rows(char *buf, int64_t stride, int64_t kstride, int64_t rows, int64_t k,
+                     act_rows *a) {
     for (int64_t r = 0; r < rows; r++) {
-        q[r] = q8_row_at(buf + r * stride, k);
-        quantize_row_q8(x + r * k, k, q + r);
+        a->q[r] = q8_row_at(buf + r * stride, k);
+        a->qk[r] = q8k_row_at(buf + r * stride + kstride, k);
+    }
+}
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, char *buf, int64_t stride,
+                          int64_t kstride, act_rows *a) {
+    lay_rows(buf, stride, kstride, rows, k, a);
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row_q8(x + r * k, k, a->q + r);
+        if (k % QK_K == 0) quantize_row_q8k(x + r * k, k, a->qk + r);
     }
 }
 
 /* out = x W^T through whichever activations the shape asks for; every thread calls it. With
- * int8 activations, q holds x already quantized. */
+ * int8 activations, a holds x already quantized. */
 static void matmul_for(const decode_shape *sh, const bq_weight *wt, const float *x,
-                       const q8_row *q, float *out, int64_t rows, int64_t n, int64_t k,
+                       const act_rows *a, float *out, int64_t rows, int64_t n, int64_t k,
                        float *w) {
     int64_t at = 0; /* each part fills its columns of out's rows */
     for (int32_t i = 0; i < wt->num_parts; i++) {
         const bq_part *p = wt->parts + i;
-        if (sh->act_q8)
-            q8a_matmul_for(p->kind, q, p->codes, p->d, p->m, out + at, rows, p->rows, k, n);
+        if (sh->act_q8 && is_kquant(p->kind))
+            q8k_matmul_for(p->kind, a->qk, p->codes, out + at, rows, p->rows, k, n);
+        else if (sh->act_q8)
+            q8a_matmul_for(p->kind, a->q, p->codes, p->d, p->m, out + at, rows, p->rows, k, n);
         else
             bq_matmul_for(p->kind, x, p->codes, p->d, p->m, out + at, rows, p->rows, k, n, w);
         at += p->rows;
@@ -195,9 +214,10 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
     /* int8 activation rows, each laid out for the K of the matmul at hand */
     const int64_t kmax = hidden > hq * d ? (hidden > sh->inter ? hidden : sh->inter)
                                          : (hq * d > sh->inter ? hq * d : sh->inter);
-    const int64_t q_stride = q8_row_bytes(kmax);
+    const int64_t k_stride = q8_row_bytes(kmax);
+    const int64_t q_stride = k_stride + q8k_row_bytes(kmax / QK_K * QK_K);
     char *q_buf = sh->act_q8 ? aligned_alloc(64, (size_t)(rows * q_stride)) : NULL;
-    q8_row q[MAX_ROWS];
+    act_rows q;
     if (!parts || (sh->act_q8 && !q_buf)) {
         free(parts);
         free(q_buf);
@@ -212,9 +232,9 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
 #pragma omp single
             {
                 norm_rows(x, sc->residual, i == 0, ly->input_norm, sh->eps, sc->h, rows, hidden);
-                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, q);
+                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, k_stride, &q);
             }
-            matmul_for(sh, &ly->qkv, sc->h, q, sc->qkv, rows, qkv_width, hidden, w);
+            matmul_for(sh, &ly->qkv, sc->h, &q, sc->qkv, rows, qkv_width, hidden, w);
 #pragma omp single
             place_qkv(sh, ly, sc->qkv, rows, positions, slots, cos_sin);
 #pragma omp for schedule(dynamic, 1)
@@ -224,18 +244,18 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
             for (int64_t t = 0; t < rows * hkv; t++) merge_task(sh, off, parts, sc->attn, t);
             if (sh->act_q8) {
 #pragma omp single
-                quantize_rows(sc->attn, rows, hq * d, q_buf, q_stride, q);
+                quantize_rows(sc->attn, rows, hq * d, q_buf, q_stride, k_stride, &q);
             }
-            matmul_for(sh, &ly->o, sc->attn, q, x, rows, hidden, hq * d, w);
+            matmul_for(sh, &ly->o, sc->attn, &q, x, rows, hidden, hq * d, w);
 #pragma omp single
             {
                 if (ly->o_bias)
                     for (int64_t r = 0; r < rows; r++)
                         for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += ly->o_bias[j];
                 norm_rows(x, sc->residual, 0, ly->post_norm, sh->eps, sc->h, rows, hidden);
-                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, q);
+                if (sh->act_q8) quantize_rows(sc->h, rows, hidden, q_buf, q_stride, k_stride, &q);
             }
-            matmul_for(sh, &ly->gate_up, sc->h, q, sc->gate_up, rows, 2 * sh->inter, hidden, w);
+            matmul_for(sh, &ly->gate_up, sc->h, &q, sc->gate_up, rows, 2 * sh->inter, hidden, w);
             const int64_t inter = sh->inter;
             /* span by span, not row by row: at batch 1 one thread ran the whole row while the
              * others waited at the barrier */
@@ -249,17 +269,22 @@ int decode_step(const decode_shape *sh, const decode_layer *layers, int64_t num_
             }
             if (sh->act_q8) {
                 /* block by block: at batch 1 a row per thread left the others waiting */
-                const int64_t nb = inter / QBLOCK;
+                const int64_t nb = inter / QBLOCK, supers = inter % QK_K ? 0 : inter / QK_K;
+#pragma omp single
+                lay_rows(q_buf, q_stride, k_stride, rows, inter, &q);
 #pragma omp for schedule(static)
-                for (int64_t e = 0; e < rows * nb; e++) {
-                    const int64_t r = e / nb, blk = e % nb;
-                    q8_row qr = q8_row_at(q_buf + r * q_stride, inter);
-                    quantize_block_q8(sc->act + r * inter + blk * QBLOCK, blk, &qr);
-                    if (blk == nb - 1) pad_q8_row(&qr, nb);
-                    if (blk == 0) q[r] = qr;
+                for (int64_t e = 0; e < rows * (nb + supers); e++) {
+                    const int64_t r = e / (nb + supers), blk = e % (nb + supers);
+                    const float *xr = sc->act + r * inter;
+                    if (blk >= nb) {
+                        quantize_superblock_q8k(xr + (blk - nb) * QK_K, blk - nb, q.qk + r);
+                        continue;
+                    }
+                    quantize_block_q8(xr + blk * QBLOCK, blk, q.q + r);
+                    if (blk == nb - 1) pad_q8_row(q.q + r, nb);
                 }
             }
-            matmul_for(sh, &ly->down, sc->act, q, x, rows, hidden, inter, w);
+            matmul_for(sh, &ly->down, sc->act, &q, x, rows, hidden, inter, w);
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < rows * hidden; j++) x[j] += sc->residual[j];

@@ -9,7 +9,8 @@
  *
  *   x . w = sum over blocks b of d_b dx_b sum_i c_bi xq_bi  +  m_b dx_b sum_i xq_bi
  *
- * for w = d * c + m (q4, q8m; m = 0 for q8, q8_16). The only new error is x's rounding to 8 bits,
+ * for w = d * c + m (q4, q8m; m = 0 for q8, q8_16). A GGUF file's own Q4_K and Q6_K rows take
+ * activations quantized per super-block instead (q8k_act.h). The only new error is x's rounding to 8 bits,
  * about 0.4% of a block's largest element, as in llama.cpp's Q8 activations. Off by default:
  * the float32 path gives the dequantized model's logits (kernels/block_quant_matmul.py).
  *
@@ -156,10 +157,10 @@ static inline void quantize_row_q8(const float *x, int64_t k, q8_row *q) {
     pad_q8_row(q, nb);
 }
 
-/* kinds whose codes are unsigned 4-bit (q4, Q4_K); the others' are signed bytes */
-static inline int nibble_codes(int kind) { return kind == 4 || kind == KIND_Q4K; }
-/* kinds with a d per 16 codes (q8_16, Q6_K) */
-static inline int d_per_16(int kind) { return kind == 16 || kind == KIND_Q6K; }
+/* kinds whose codes are unsigned 4-bit (q4); the others' are signed bytes */
+static inline int nibble_codes(int kind) { return kind == 4; }
+/* kinds with a d per 16 codes (q8_16) */
+static inline int d_per_16(int kind) { return kind == 16; }
 
 /* lane l of a pair: its block within the pair (0 or 1) and, for q8_16, its half of that block */
 static inline int lane_block(int l) { return (l / 4) % 2; }
@@ -177,17 +178,10 @@ static inline float lane_d(int kind, const float *d, int64_t p, int64_t nb, int 
 static inline void pair_codes(int kind, const void *codes, int64_t p, int64_t nb, uint8_t *u) {
     for (int h = 0; h < 2; h++) {
         const int64_t b = 2 * p + h;
-        int8_t q6[QBLOCK];
-        if (kind == KIND_Q6K) q6k_block_codes_scalar((const uint8_t *)codes, b, q6);
         for (int half = 0; half < 2; half++)
             for (int j = 0; j < 16; j++) {
                 uint8_t v = 0;
-                if (kind == KIND_Q4K) {
-                    const uint8_t c = q4k_chunk((const uint8_t *)codes, b)[half * 16 + j];
-                    v = (c >> q4k_shift(b)) & 15;
-                } else if (kind == KIND_Q6K) {
-                    v = (uint8_t)(q6[half * 16 + j] + 128);
-                } else if (b < nb && kind == 4) {
+                if (b < nb && kind == 4) {
                     const uint8_t c = ((const uint8_t *)codes)[b * 16 + j];
                     v = half ? c >> 4 : c & 15;
                 } else if (kind != 4) {
@@ -211,7 +205,7 @@ static inline float reduce_lanes(const float *a) {
  * in block order, then the lanes in the fixed order. A serial chain of fmas would cost as much
  * as the integer dot products it completes. */
 static inline float m_term(int kind, const float *m, const float *sx, int64_t nb) {
-    if (kind != 4 && kind != 9 && kind != KIND_Q4K) return 0.0f;
+    if (kind != 4 && kind != 9) return 0.0f;
 #if defined(Q8A_VNNI)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 16) {
@@ -272,19 +266,6 @@ static ALWAYS_INLINE float reduce_lanes16(__m512 a) {
 
 /* the pair's codes as unsigned bytes in pair order (see pair_codes) */
 static ALWAYS_INLINE __m512i pair_codes16(int kind, const void *codes, int64_t p, int full) {
-    if (kind == KIND_Q4K) { /* blocks 2p and 2p + 1 share a chunk: low and high nibbles */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)q4k_chunk(codes, 2 * p));
-        const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-    }
-    if (kind == KIND_Q6K) {
-        const __m512i both = _mm512_inserti64x4(
-            _mm512_castsi256_si512(q6k_block_codes(codes, 2 * p)), q6k_block_codes(codes, 2 * p + 1), 1);
-        return _mm512_xor_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)),
-                                _mm512_set1_epi8((char)0x80));
-    }
     if (kind == 4) {
         const uint8_t *c = (const uint8_t *)codes + p * 32;
         const __m256i v = full ? _mm256_loadu_si256((const __m256i *)c)
@@ -345,24 +326,6 @@ static ALWAYS_INLINE void q8a_dot_rows(int kind, const q8_row *x, int64_t k, con
  * cannot (2 * 128 * 127 = 32512); the lane sums are the same integers either way. */
 static ALWAYS_INLINE void pair_codes8(int kind, const void *codes, int64_t p, int full,
                                       __m256i *u, __m256i *sign) {
-    if (kind == KIND_Q4K) { /* blocks 2p and 2p + 1 share a chunk: low and high nibbles */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)q4k_chunk(codes, 2 * p));
-        const __m256i low4 = _mm256_set1_epi8(15);
-        const __m256i lo = _mm256_and_si256(v, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        u[0] = _mm256_permute2x128_si256(lo, hi, 0x20);
-        u[1] = _mm256_permute2x128_si256(lo, hi, 0x31);
-        sign[0] = sign[1] = _mm256_setzero_si256(); /* unused for nibble codes */
-        return;
-    }
-    if (kind == KIND_Q6K) {
-        const __m256i b0 = q6k_block_codes(codes, 2 * p), b1 = q6k_block_codes(codes, 2 * p + 1);
-        sign[0] = _mm256_permute2x128_si256(b0, b1, 0x20);
-        sign[1] = _mm256_permute2x128_si256(b0, b1, 0x31);
-        u[0] = _mm256_abs_epi8(sign[0]);
-        u[1] = _mm256_abs_epi8(sign[1]);
-        return;
-    }
     if (kind == 4) {
         const uint8_t *c = (const uint8_t *)codes + p * 32;
         const __m256i v = full ? _mm256_loadu_si256((const __m256i *)c)
@@ -443,8 +406,9 @@ static ALWAYS_INLINE void q8a_dot_rows_kind(int kind, const q8_row *x, int64_t k
 }
 #endif
 
-/* out[r * ldo + j] = x[r] . W[j] for r < rows, j < n over quantized rows x; call from every
- * thread of a parallel region. Ends with the loop's barrier. */
+/* out[r * ldo + j] = x[r] . W[j] for r < rows, j < n over quantized rows x and a plane kind's
+ * W (a file's K-quant rows take q8k_act.h); call from every thread of a parallel region. Ends
+ * with the loop's barrier. */
 static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, const float *d,
                                   const float *m, float *out, int64_t rows, int64_t n,
                                   int64_t k, int64_t ldo) {
@@ -452,8 +416,7 @@ static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, 
     for (int64_t j = 0; j < n; j++) {
         const void *cj;
         const float *dj, *mj;
-        float dbuf[ROW_D_FLOATS], mbuf[ROW_M_FLOATS];
-        row_weights(kind, codes, d, m, j, k, dbuf, mbuf, &cj, &dj, &mj);
+        row_planes(kind, codes, d, m, j, k, &cj, &dj, &mj);
 #if defined(Q8A_SIMD)
         prefetch_block_row(kind, codes, d, m, j, n, k);
         for (int64_t r0 = 0; r0 < rows; r0 += Q8A_ROWS) {
@@ -465,10 +428,6 @@ static inline void q8a_matmul_for(int kind, const q8_row *x, const void *codes, 
                 q8a_dot_rows_kind(8, x + r0, k, cj, dj, mj, g, res);
             else if (kind == 16)
                 q8a_dot_rows_kind(16, x + r0, k, cj, dj, mj, g, res);
-            else if (kind == KIND_Q4K)
-                q8a_dot_rows_kind(KIND_Q4K, x + r0, k, cj, dj, mj, g, res);
-            else if (kind == KIND_Q6K)
-                q8a_dot_rows_kind(KIND_Q6K, x + r0, k, cj, dj, mj, g, res);
             else
                 q8a_dot_rows_kind(9, x + r0, k, cj, dj, mj, g, res);
             for (int r = 0; r < g; r++) out[(r0 + r) * ldo + j] = res[r];

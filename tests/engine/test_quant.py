@@ -299,3 +299,32 @@ def test_block_linear_gives_tens_of_rows_a_decode_steps_bits(rows):
         tiles and not amx and rows <= quant.TILE_KERNEL_MAX_ROWS
     )
     assert torch.equal(out, alone) == decode_bits
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_kquant_rows_keep_the_block_kernel_for_a_short_extend(int8):
+    """File rows (Q4_K) take the block kernel up to block_kernel_max_rows: every row of a short
+    extend gets exactly the bits it gets decoded alone; past it, the GEMM over the widened
+    matrix, close to them but not the same arithmetic."""
+    from prefixrag.engine.quant import block_kernel_max_rows, linear
+    from prefixrag.kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize
+    from prefixrag.kernels.block_stack import BlockStack
+    from tests.kernels.test_block_quant_matmul import random_gguf_blocks
+
+    n, k = 24, 512
+    w = BlockQuantWeight("q4_k", torch.from_numpy(random_gguf_blocks("Q4_K", n, k, 3)), None, None)
+    v = BlockQuantWeight("q6_k", torch.from_numpy(random_gguf_blocks("Q6_K", 8, k, 4)), None, None)
+    stack = BlockStack((w, v))
+    for weight in (w, v):
+        weight.int8_activations = int8
+    limit = block_kernel_max_rows(w)
+    assert limit == block_kernel_max_rows(stack) > 16
+    x = torch.randn(limit + 1, k, generator=torch.Generator().manual_seed(0))
+    for weight in (w, stack):
+        alone = torch.cat([linear(x[i : i + 1], weight) for i in range(limit)])
+        assert torch.equal(linear(x[:limit], weight), alone)
+    dense = x.double() @ block_quant_dequantize(w).double().T
+    past = linear(x, w).double()
+    tol = 0.02 if int8 else 1e-5
+    assert (past - dense).norm() < tol * dense.norm()
+    assert not torch.equal(past[:limit].float(), linear(x[:limit], w))

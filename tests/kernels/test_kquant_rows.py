@@ -1,5 +1,6 @@
 """A GGUF file's own Q4_K and Q6_K rows (kinds q4_k, q6_k) in every C path, against gguf-py's
-dequantizer and against the planes the same bytes convert to."""
+dequantizer and against the planes the same bytes convert to; with int8 activations, against
+the exact sum over x quantized per super-block."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from prefixrag.kernels.block_quant_matmul import (
     fixed_order_matmul,
 )
 from prefixrag.kernels.block_quant_reference import (
-    block_quant_matmul_q8a_torch,
+    block_quant_matmul_q8k_torch,
+    quantize_activations_q8k_torch,
 )
 from prefixrag.kernels.gguf_planes import from_gguf_blocks
 from tests.kernels.test_block_quant_matmul import (
@@ -57,15 +59,37 @@ def test_file_rows_give_the_planes_bits(flags, gguf_type, kind, rows):
 
 @BUILDS
 @KINDS
-def test_int8_activations_on_file_rows(flags, gguf_type, kind):
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 40])
+def test_int8_activations_on_file_rows(flags, gguf_type, kind, rows):
+    """Against file rows, x is quantized per super-block (llama.cpp's Q8_K, q8k_act.h): the
+    kernel's result is the exact float64 sum over those codes, up to float32 rounding."""
     n, k = 29, 2304
-    raw, w = file_rows(gguf_type, kind, n, k, seed=4)
-    planes = from_gguf_blocks(raw, gguf_type, (n, k))
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5))
+    _, w = file_rows(gguf_type, kind, n, k, seed=4)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.logspace(
+        -1, 1, k
+    )
     got = block_quant_matmul(x, w, flags, int8_activations=True)
-    assert torch.equal(got, block_quant_matmul(x, planes, flags, int8_activations=True))
-    reference = block_quant_matmul_q8a_torch(x, w).float()
-    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    reference = block_quant_matmul_q8k_torch(x, w)
+    scale = x.abs().double() @ block_quant_dequantize(w).abs().double().T
+    assert ((got.double() - reference).abs() <= 2e-6 * scale + 1e-30).all()
+    # and the rounding to 8 bits per 256 costs what it should: about 1% of the float32 product
+    exact = block_quant_matmul(x, w, flags).double()
+    assert (got.double() - exact).norm() < 0.02 * exact.norm()
+
+
+def test_super_block_quantization_matches_its_reference():
+    """A row's codes per super-block, through the C kernel's int8 path: x whose super-blocks
+    each hold one element make every product one code times one weight."""
+    n, k = 3, 512
+    _, w = file_rows("Q6_K", "q6_k", n, k, seed=1)
+    x = torch.zeros(2, k)
+    x[0, 7], x[0, 300], x[1, 255] = 2.5, -0.75, 1.0  # one element per super-block: codes +-127
+    dense = block_quant_dequantize(w).double()
+    want = x.double() @ dense.T
+    got = block_quant_matmul(x, w, int8_activations=True).double()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    codes, dx = quantize_activations_q8k_torch(x)
+    assert codes[0, 7] == 127 and codes[0, 300] == -127 and dx[1, 0] == pytest.approx(1 / 127)
 
 
 @KINDS
