@@ -48,8 +48,8 @@ from prefixrag.engine.quant import (
     embedding,
     keep_dense_block_weights_,
     quantize_model_,
+    resolve_int8_activations,
     resolve_weight_quant,
-    use_int8_activations_,
 )
 from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
@@ -149,11 +149,12 @@ class ModelRunner:
     CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
     ``weight_quant`` (``auto``, ``none``, ``int8``, ``gguf``; see
     :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights are stored: as
-    loaded, per-channel int8, or a GGUF file's own blocks. ``int8_activations`` rounds the
-    inputs of block-weight decode matmuls to int8 (see EngineConfig). ``kv_cache_dtype`` (see
-    :func:`resolve_kv_dtype`; default: the model's dtype) picks the KV cache's storage; on CPU it
-    may be 16-bit under a float32 model (keys and values rounded on store, attention math in
-    float32). :meth:`from_config` builds one with random weights instead (benchmarks).
+    loaded, per-channel int8, or a GGUF file's own blocks. ``int8_activations`` (True, False or
+    ``auto``) rounds the inputs of block-weight matmuls to int8 (see EngineConfig).
+    ``kv_cache_dtype`` (see :func:`resolve_kv_dtype`; default: the model's dtype) picks the KV
+    cache's storage; on CPU it may be 16-bit under a float32 model (keys and values rounded on
+    store, attention math in float32). :meth:`from_config` builds one with random weights
+    instead (benchmarks).
     """
 
     def __init__(
@@ -172,7 +173,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.85,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
-        int8_activations: bool = False,
+        int8_activations: bool | str = "auto",
         chunk_host_bytes: int = 0,
         memory_limit_bytes: int | None = None,
     ) -> None:
@@ -269,7 +270,7 @@ class ModelRunner:
         gpu_memory_fraction: float,
         seed: int = 0,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
-        int8_activations: bool = False,
+        int8_activations: bool | str = "auto",
         chunk_host_bytes: int = 0,
         memory_limit_bytes: int | None = None,
     ) -> None:
@@ -296,7 +297,7 @@ class ModelRunner:
         # blended prefill's later layers: queries at scattered positions over the paged cache
         self.scattered_backend = make_scattered_attention(backend, self.device)
         self.model = self._build_model(config, tensors, seed)
-        self.int8_activations = int8_activations and use_int8_activations_(self.model)
+        self.int8_activations = resolve_int8_activations(int8_activations, self.model)
         self.scale = config.head_dim**-0.5
         self.kv_dtype = resolve_kv_dtype(
             kv_cache_dtype,

@@ -83,8 +83,9 @@ class Settings(BaseSettings):
     weight_quant: Literal["auto", "none", "int8", "gguf"] = "auto"
     # CUDA only: decode steps replayed from captured graphs (off: every kernel launched eagerly)
     cuda_graphs: bool = True
-    # GGUF on CPU: decode matmuls round their inputs to int8, as llama.cpp does (off: float32)
-    int8_activations: bool = False
+    # GGUF on CPU: block matmuls round their inputs to int8, as llama.cpp does; auto: on for a
+    # file's Q4_K/Q6_K rows, off (float32) for other block types (engine/config.py)
+    int8_activations: bool | Literal["auto"] = "auto"
     # chunk KV reuse: cached source bodies placed at new positions (off: exact prefixes only)
     chunk_reuse: bool = True
     # share of reused tokens computed again by blending; 1.0 equals plain prefill. 0.3: on

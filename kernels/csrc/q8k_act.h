@@ -48,6 +48,9 @@
 /* rows of x that share one unpacking of a super-block's codes */
 #define Q8K_ROWS 4
 #define Q8K_GROUPS (QK_K / 16)
+#ifndef Q8K_PREFETCH
+#define Q8K_PREFETCH 512
+#endif
 
 /* One activation row quantized per super-block: codes q [k], scales d [k / 256], and the sums
  * of its codes per 16, bsum [k / 16]. */
@@ -313,8 +316,13 @@ static inline void q8k_matmul_for(int kind, const q8k_row *x, const void *codes,
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *wj = (const uint8_t *)codes + j * row_bytes;
 #if defined(Q8K_AVX2)
-        if (j + 1 < n) /* the next row's first lines, ahead of the hardware prefetcher */
-            for (int64_t b = 0; b < row_bytes && b < 512; b += 64) __builtin_prefetch(wj + row_bytes + b);
+#if Q8K_PREFETCH > 0
+        {
+            const uint8_t *ahead = wj + Q8K_PREFETCH;
+            const uint8_t *end = (const uint8_t *)codes + n * row_bytes;
+            for (int64_t b = 0; b < row_bytes && ahead + b < end; b += 64) __builtin_prefetch(ahead + b);
+        }
+#endif
         for (int64_t r0 = 0; r0 < rows; r0 += Q8K_ROWS) {
             float res[Q8K_ROWS];
             const int g = rows - r0 < Q8K_ROWS ? (int)(rows - r0) : Q8K_ROWS;

@@ -107,7 +107,13 @@ def test_k_quant_matrices_are_views_of_the_file(qwen2_gguf):
 
 
 def test_mapped_model_gives_the_float32_loads_logits(qwen2_gguf):
-    mapped = ModelRunner(qwen2_gguf, num_blocks=16, weight_quant="gguf", dense_prefill_bytes=0)
+    mapped = ModelRunner(
+        qwen2_gguf,
+        num_blocks=16,
+        weight_quant="gguf",
+        dense_prefill_bytes=0,
+        int8_activations=False,
+    )
     dense = ModelRunner(qwen2_gguf, num_blocks=16, weight_quant="none")
     attn = mapped.model.layers[0].attn
     assert isinstance(attn.qkv_weight, BlockStack)  # Q4_K q, k beside a Q6_K v

@@ -156,9 +156,13 @@ def test_c_decode_step_rejects_a_block_table_too_short(runners):
         )
 
 
-def test_int8_activations_is_a_bool_and_in_the_cache_fingerprint(runners):
-    with pytest.raises(ValueError, match="int8_activations"):
-        EngineConfig(model="random", int8_activations="yes")  # type: ignore[arg-type]
+def test_int8_activations_is_a_bool_or_auto_and_in_the_cache_fingerprint(runners, tmp_path):
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="int8_activations"):
+            EngineConfig(model="random", int8_activations=bad)  # type: ignore[arg-type]
+    # auto leaves the packaged model's Q4_1 / Q8_0 planes in float32
+    auto = ModelRunner(packaged_llm_path(), block_size=BLOCK, num_blocks=8, weight_quant="gguf")
+    assert not auto.int8_activations
     # KV written with int8 activations is not reused by an engine without them, and back
     config = EngineConfig(model=packaged_llm_path(), block_size=BLOCK)
     q8 = LLMEngine(config, runner=runners["native_q8"])._model_fingerprint()
