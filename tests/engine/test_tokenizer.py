@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -127,3 +128,12 @@ def test_add_bos_token_prepends_bos_once(ours):
     assert with_bos.encode("some text") == plain
     with pytest.raises(ValueError, match="no chat template"):
         with_bos.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_fresh_conversion_builds_autotokenizers_backend(reference, tmp_path):
+    """The conversion goes through the generic fast class (no model config read): the same
+    tokenizer.json AutoTokenizer builds."""
+    fresh = Tokenizer.from_gguf(packaged_llm_path(), tmp_path)
+    cached = json.loads((next(tmp_path.glob("tokenizer-*")) / "tokenizer.json").read_text())
+    assert cached == json.loads(reference.backend_tokenizer.to_str())
+    assert fresh.encode(TEXTS[0]) == reference.encode(TEXTS[0], add_special_tokens=False)
