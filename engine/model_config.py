@@ -144,7 +144,10 @@ class ModelConfig:
         """
         arch = str(meta.get("general.architecture", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; the engine runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
 
         def key(name: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{name}", default)

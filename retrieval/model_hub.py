@@ -31,14 +31,15 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
 
 
-def hub_is_reachable(timeout_s: float = 3.0) -> bool:
-    """One TCP connect to the hub's endpoint. NOTE: huggingface_hub itself retries a dead
-    network for about a minute; this answers in `timeout_s` at most."""
+def hub_is_reachable(timeout_s: float = 3.0, endpoint: str | None = None) -> bool:
+    """One TCP connect to the hub's endpoint (``endpoint``, else HF_ENDPOINT's). NOTE:
+    huggingface_hub itself retries a dead network for about a minute; this answers in
+    `timeout_s` at most."""
     if is_offline():
         return False
     from huggingface_hub import constants
 
-    url = urlparse(constants.ENDPOINT)
+    url = urlparse(endpoint or constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         with socket.create_connection((url.hostname or "", port), timeout=timeout_s):

@@ -7,13 +7,15 @@ import argparse
 from typing import Any
 
 from prefixrag.app.core.settings import Settings
+from prefixrag.app.services.gguf_hub import ModelFetchError, fetch_gguf, parse_hub_gguf
 from prefixrag.retrieval.model_hub import ModelNotInstalledError, fetch, looks_like_path
 
 Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 def register_models(subparsers: Subparsers) -> None:
-    """`models fetch`: download every configured hub model into the local cache."""
+    """`models fetch`: download every configured hub model into the local cache (the LLM as a
+    hub GGUF reference, org/repo[:QUANT] or org/repo/file.gguf)."""
     parser = subparsers.add_parser("models", help="the models the service uses")
     actions = parser.add_subparsers(dest="models_action", required=True)
     fetch_parser = actions.add_parser(
@@ -31,6 +33,22 @@ def configured_models(settings: Settings) -> list[tuple[str, str]]:
     ]
 
 
+def _fetch_llm(name: str) -> bool:
+    """Fetch the hub GGUF ``name`` (the hub is asked even when a copy is cached, so a newer
+    upload replaces it); False after printing why not."""
+    try:
+        ref = parse_hub_gguf(name)
+        if ref is None:
+            print(f"llm: {name} is not a local path nor a hub GGUF (org/repo[:QUANT])")
+            return False
+        print(f"llm: fetching {ref}")
+        print(f"llm: {ref} is in {fetch_gguf(ref)}")
+    except ModelFetchError as exc:
+        print(f"llm: not fetched: {exc}")
+        return False
+    return True
+
+
 def _fetch(args: argparse.Namespace, settings: Settings) -> int:
     num_failed = 0
     for role, name in configured_models(settings):
@@ -39,8 +57,7 @@ def _fetch(args: argparse.Namespace, settings: Settings) -> int:
         elif looks_like_path(name):
             print(f"{role}: local path {name}, nothing to fetch")
         elif role == "llm":
-            print(f"{role}: {name} is not a path; the engine loads a GGUF file or folder by path")
-            num_failed += 1
+            num_failed += not _fetch_llm(name)
         else:
             print(f"{role}: fetching {name}")
             try:

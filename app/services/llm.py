@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
 from prefixrag.app.core.settings import Settings
+from prefixrag.app.services.gguf_hub import local_llm
 from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.chunk_store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
 
 
 def engine_config_from_settings(settings: Settings) -> EngineConfig:
-    """The engine's plain config, built from the service settings."""
+    """The engine's plain config, built from the service settings (a hub model is fetched
+    into the local cache first, once)."""
     return EngineConfig(
-        model=settings.resolved_llm,
+        model=local_llm(settings.resolved_llm),
         block_size=settings.block_size,
         kv_cache_gb=settings.kv_cache_gb,
         gpu_memory_fraction=settings.gpu_memory_fraction,

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from prefixrag.engine.model_config import ModelConfig
-from prefixrag.engine.weights.gguf_blocks import MappedGGUF, map_gguf
+from prefixrag.engine.weights.gguf_blocks import MappedGGUF, check_gguf, map_gguf
 from prefixrag.engine.weights.gguf_file import GGUFFile, read_gguf_file
 from prefixrag.engine.weights.gguf_loader import load_gguf
 from prefixrag.engine.weights.hf_loader import load_hf_dir
@@ -42,6 +42,7 @@ __all__ = [
     "GGUFFile",
     "MappedGGUF",
     "check_checkpoint",
+    "check_gguf",
     "load_checkpoint",
     "load_gguf",
     "load_hf_dir",

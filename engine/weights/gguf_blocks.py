@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from prefixrag.engine.model_config import ModelConfig
-from prefixrag.engine.weights.gguf_file import GGUFFile, read_gguf_file
+from prefixrag.engine.weights.gguf_file import GGUFFile, TensorInfo, read_gguf_file
 from prefixrag.engine.weights.gguf_loader import hf_name, model_config_from
 from prefixrag.kernels.block_quant_matmul import KQUANT_GGUF_TYPES, MAX_K, BlockQuantWeight
 from prefixrag.kernels.gguf_planes import SUPPORTED_GGUF_TYPES, from_gguf_blocks
@@ -66,14 +66,42 @@ def _float32(raw: np.ndarray, gguf_type: str, shape: tuple[int, ...]) -> torch.T
     return torch.from_numpy(array.reshape(shape))
 
 
+def _config_of(file: GGUFFile) -> ModelConfig:
+    shapes = {t.name: tuple(reversed(t.shape)) for t in file.tensors}
+    return model_config_from(file.metadata, shapes, file.array_lengths.get("tokenizer.ggml.tokens"))
+
+
+def _check_matrix(t: TensorInfo) -> None:
+    shape, gguf_type = t.shape, t.type_name
+    if (
+        len(shape) != 2
+        or shape[1] > MAX_K
+        or (gguf_type not in FILE_ROW_KINDS and gguf_type not in SUPPORTED_GGUF_TYPES)
+    ):
+        raise ValueError(
+            f"{t.name}: tensor type {gguf_type} of shape {shape} is not supported; the "
+            f"engine runs matrices of {_matrix_types()} with rows up to {MAX_K} wide"
+        )
+
+
+def check_gguf(path: str | Path) -> ModelConfig:
+    """What :func:`map_gguf` would refuse in ``path``, found from its header alone (no tensor
+    byte is read): a file that is not a GGUF, one cut short, an architecture, tensor name or
+    tensor type the engine does not run. Returns the model's config."""
+    file = read_gguf_file(path)
+    config = _config_of(file)
+    for t in file.tensors:
+        hf_name(t.name)
+        if t.type_name not in FLOAT_TYPES:
+            _check_matrix(t)
+    return config
+
+
 def map_gguf(path: str | Path) -> MappedGGUF:
     """Map ``path`` and build its weights (see the module doc); ValueError for a file the engine
     cannot run, naming the tensor, its type and what is supported."""
     file = read_gguf_file(path)
-    shapes = {t.name: tuple(reversed(t.shape)) for t in file.tensors}
-    config = model_config_from(
-        file.metadata, shapes, file.array_lengths.get("tokenizer.ggml.tokens")
-    )
+    config = _config_of(file)
     blocks: dict[str, BlockQuantWeight] = {}
     dense: dict[str, torch.Tensor] = {}
     mapped = copied = 0
@@ -84,15 +112,7 @@ def map_gguf(path: str | Path) -> MappedGGUF:
             dense[name] = _float32(raw, gguf_type, shape)
             copied += dense[name].numel() * 4
             continue
-        if (
-            len(shape) != 2
-            or shape[1] > MAX_K
-            or (gguf_type not in FILE_ROW_KINDS and gguf_type not in SUPPORTED_GGUF_TYPES)
-        ):
-            raise ValueError(
-                f"{t.name}: tensor type {gguf_type} of shape {shape} is not supported; the "
-                f"engine runs matrices of {_matrix_types()} with rows up to {MAX_K} wide"
-            )
+        _check_matrix(t)
         if gguf_type in FILE_ROW_KINDS:
             codes = _as_tensor(raw.reshape(shape[0], -1))
             blocks[name] = BlockQuantWeight(FILE_ROW_KINDS[gguf_type], codes, None, None)
