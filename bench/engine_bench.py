@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.decode_bandwidth import bandwidth_rows, stream_gb_per_s, weight_bytes_per_token
 from bench.requantize import cached
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine.cache_scope import CacheScope
@@ -699,6 +700,19 @@ def print_table(result: dict) -> None:
         print(f"We lose nowhere (ties are within {TIE:.0%}).")
     for name, agreement in result["greedy_agreement"].items():
         print(f"greedy agreement {name}: {agreement}")
+    bandwidth = result.get("bandwidth")
+    if bandwidth:
+        print(
+            f"memory bandwidth: {bandwidth['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
+            f"a token; a streaming read of them here: {bandwidth['stream_gb_per_s']:.1f} GB/s"
+        )
+        for name, rows in bandwidth["decode"].items():
+            for key, sides in rows.items():
+                text = ", ".join(
+                    f"{who} {v['gb_per_s']:.1f} GB/s ({v['of_stream']:.0%})"
+                    for who, v in sides.items()
+                )
+                print(f"  {name} {key}: {text}")
 
 
 def resolve_sizes(args: argparse.Namespace) -> dict:
@@ -876,7 +890,11 @@ def run(
             if not isinstance(side, str):
                 side.ttft_pair(warm_prefix, prompts["suffixes"][0], prompts["suffixes"][1])
                 side.decode(prompts["short"], 4)
+    # the ceiling a decode is held to: a streaming read of the same bytes, before and after
+    path = gguf.runner.model_path
+    stream = stream_gb_per_s(path)
     samples, tokens = measure(sides, prompts, sizes, args.figures)
+    stream += stream_gb_per_s(path)
 
     labels = {k: label.format(**sizes) for k, label, _, _ in METRICS}
     engines = {"gguf_vs_llama_cpp": gguf} | {
@@ -910,6 +928,16 @@ def run(
     for block in comparisons.values():
         for key, row in block["metrics"].items():
             row["label"] = labels[key]
+    bytes_per_token, stream_median = weight_bytes_per_token(path), statistics.median(stream)
+    bandwidth = {
+        "weight_bytes_per_token": bytes_per_token,
+        "stream_gb_per_s": stream_median,
+        "stream_samples": stream,
+        "decode": {
+            name: bandwidth_rows(comparisons[name]["metrics"], bytes_per_token, stream_median)
+            for name in engines
+        },
+    }
 
     def agreement(comparison: str, a: str, b: str, names=("decode_short", "decode_long")):
         ta, tb = tokens[comparison][a], tokens[comparison][b]
@@ -967,6 +995,7 @@ def run(
         },
         "comparisons": comparisons,
         "greedy_agreement": greedy,
+        "bandwidth": bandwidth,
     }
 
 

@@ -31,6 +31,7 @@ _SIGNATURES = {
         [_P, _I, _P, _P, _K, _I, _P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _F],
     ),
     "silu_mul": (None, [_P, _P, _I, _I]),
+    "stream_sum": (ctypes.c_uint64, [_P, _I]),
 }
 
 
@@ -361,3 +362,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[0]:
         build().silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
     return out
+
+
+def stream_sum(data: torch.Tensor) -> int:
+    """The sum of a contiguous CPU tensor's bytes read as 64-bit words, every thread
+    streaming its share once: the bench's measure of a read at memory speed (what a decode
+    step's weight reads are set against). Bytes past the last whole word are left out."""
+    if data.device.type != "cpu" or not data.is_contiguous():
+        raise ValueError("stream_sum reads a contiguous CPU tensor")
+    num_words = data.numel() * data.element_size() // 8
+    return int(build().stream_sum(data.data_ptr(), num_words)) if num_words else 0

@@ -272,3 +272,26 @@ void silu_mul(const float *gate_up, float *out, int64_t tokens, int64_t inter) {
         silu_mul_span(g, u, o, inter);
     }
 }
+
+/* The sum of n bytes read as 64-bit words (n a multiple of 8), every thread streaming its
+ * share once: the yardstick a decode step's weight reads are measured against (what a read
+ * of the same bytes can reach here), not a step op. Four sums keep the adds off the loads'
+ * critical path. */
+uint64_t stream_sum(const uint64_t *words, int64_t n_words) {
+    uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (int64_t c = 0; c < n_words; c += 4096) {
+        const int64_t end = c + 4096 < n_words ? c + 4096 : n_words;
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        int64_t i = c;
+        for (; i + 4 <= end; i += 4) {
+            s0 += words[i];
+            s1 += words[i + 1];
+            s2 += words[i + 2];
+            s3 += words[i + 3];
+        }
+        for (; i < end; i++) s0 += words[i];
+        total += s0 + s1 + s2 + s3;
+    }
+    return total;
+}

@@ -187,3 +187,13 @@ def test_extend_rows_match_naive_causal_attention(prefixes, news):
         expected = naive_attention(q[start : start + n], batch.keys[b], batch.values[b], p, 0.2)
         assert_close(out[start : start + n], expected, torch.float32)
         start += n
+
+
+@pytest.mark.parametrize("num_bytes", [0, 7, 8, 8 * 4096 + 24, 3 * 8 * 4096])
+def test_stream_sum_adds_every_whole_word_once(num_bytes):
+    from prefixrag.kernels.cpu_ops import stream_sum
+
+    data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    words = data[: num_bytes // 8 * 8].view(torch.int64).tolist()
+    expected = sum(w % 2**64 for w in words) % 2**64  # unsigned words, wrapping as C adds
+    assert stream_sum(data) == expected
