@@ -48,6 +48,7 @@ from tqdm import tqdm
 from bench.eval_split import HALVES, split
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
 from prefixrag.app.main import create_app
+from prefixrag.app.prompt.parts import NOT_IN_SOURCES
 from prefixrag.retrieval.embedder import Embedder
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
@@ -123,6 +124,11 @@ def loops(answer: str, n: int = LOOP_WORDS) -> bool:
     return len(grams) != len(set(grams))
 
 
+def refuses(answer: str) -> bool:
+    """True when the answer opens by saying the sources lack it (the app's own rule)."""
+    return re.match(NOT_IN_SOURCES, answer, re.IGNORECASE) is not None
+
+
 def score(question: dict, out: dict) -> dict[str, Any]:
     """One answer's measures."""
     answers = question["a"]
@@ -136,6 +142,7 @@ def score(question: dict, out: dict) -> dict[str, Any]:
         "evidence_ok": any(holds_gold(text, answers) for _, text in spans),
         "best_span_ok": holds_gold(best_span, answers),
         "recall": any(holds_gold(c["text"], answers) for c in cited),
+        "refusal": refuses(out["answer"]),
         "loops": loops(out["answer"]),
         "evidence_ms": out["timings"].get("evidence_ms", 0.0),
         "ttft_ms": out["timings"]["ttft_ms"],
@@ -154,6 +161,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
         "source_recall": recall,
         "evidence_over_recall": mean("evidence_ok") / recall if recall else 0.0,
         "loop_share": mean("loops"),
+        # refusals where a cited source holds the gold answer: the model gave up on a fact
+        # its prompt held
+        "refusals_when_recalled": (
+            float(np.mean([r.get("refusal", False) for r in rows if r["recall"]]))
+            if any(r["recall"] for r in rows)
+            else 0.0
+        ),
         "evidence_ms_p50": float(np.median([r["evidence_ms"] for r in rows])) if rows else 0.0,
         "ttft_ms_p50": float(np.median([r["ttft_ms"] for r in rows])) if rows else 0.0,
         "completion_tokens_mean": mean("completion_tokens"),
@@ -199,6 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "split_sizes": {h: len(v) for h, v in split(spec["questions"]).items()},
         "torch_threads": _torch_threads(),
         "wall_s": round(time.perf_counter() - started, 1),
+        # this process served every question (the app runs in it): its peak resident memory
+        "peak_rss_mib": _peak_rss_mib(),
         "configs": {c: _described(c) for c in configs},
         "summary": {c: summarize(rows[c]) for c in configs},
         "answers": rows,
@@ -273,6 +289,16 @@ def kept_corpus(spec: dict) -> Path:
     return CACHE / f"answer-eval-{corpus}"
 
 
+def _peak_rss_mib() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _torch_threads() -> int:
     import torch
 
@@ -282,15 +308,16 @@ def _torch_threads() -> int:
 def print_summary(report: dict[str, Any]) -> None:
     model = report.get("model", "packaged")
     print(f"\n{report['half']} half, {report['questions']} questions, {model}", end="")
-    print(f", {report['wall_s']} s")
+    print(f", {report['wall_s']} s, peak RSS {report.get('peak_rss_mib') or 0:.0f} MiB")
     head = f"{'config':24} {'answer':>7} {'evid.':>7} {'best':>7} {'recall':>7} {'ev/rec':>7}"
-    head += f" {'loops':>7}"
+    head += f" {'loops':>7} {'refuse':>7}"
     print(head + f" {'ev_ms':>7} {'ttft_ms':>8} {'tokens':>7}")
     for name, s in report["summary"].items():
         print(
             f"{name:24} {s['answer_accuracy']:7.3f} {s['evidence_accuracy']:7.3f} "
             f"{s['best_span_accuracy']:7.3f} {s['source_recall']:7.3f} "
             f"{s['evidence_over_recall']:7.3f} {s['loop_share']:7.3f} "
+            f"{s.get('refusals_when_recalled', 0.0):7.3f} "
             f"{s['evidence_ms_p50']:7.1f} {s['ttft_ms_p50']:8.0f} "
             f"{s['completion_tokens_mean']:7.1f}"
         )

@@ -52,3 +52,26 @@ def test_evidence_counts_each_sources_top_span_and_best_span_the_top_scoring_one
     assert row["evidence_ok"] and not row["best_span_ok"]
     out["citations"][1]["evidence"] = []
     assert not score({"q": "?", "a": ["sorted(iterable"]}, out)["evidence_ok"]
+
+
+def test_a_refusal_counts_only_where_a_source_held_the_answer():
+    from bench.answer_eval import refuses, summarize
+
+    assert refuses("The documents do not cover it.")
+    assert refuses("the sources don't say. ")
+    assert not refuses("It returns None [1]. The documents do not cover the rest.")
+    base = {
+        "answer_ok": False,
+        "evidence_ok": False,
+        "best_span_ok": False,
+        "loops": False,
+        "evidence_ms": 1.0,
+        "ttft_ms": 1.0,
+        "completion_tokens": 4,
+    }
+    rows = [
+        {**base, "recall": True, "refusal": True},
+        {**base, "recall": True, "refusal": False},
+        {**base, "recall": False, "refusal": True},  # nothing to answer from: not counted
+    ]
+    assert summarize(rows)["refusals_when_recalled"] == 0.5
