@@ -126,7 +126,8 @@ def loops(answer: str, n: int = LOOP_WORDS) -> bool:
 
 def refuses(answer: str) -> bool:
     """True when the answer opens by saying the sources lack it (the app's own rule)."""
-    return re.match(NOT_IN_SOURCES, answer, re.IGNORECASE) is not None
+    # the rule looks for a space after the sentence (it runs on a stream); a whole answer ends
+    return re.match(NOT_IN_SOURCES, answer + " ", re.IGNORECASE) is not None
 
 
 def score(question: dict, out: dict) -> dict[str, Any]:
