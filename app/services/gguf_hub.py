@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixrag.retrieval.model_hub import hub_is_reachable, is_offline, looks_like_path
+from prefixrag.retrieval.model_hub import hub_is_reachable, looks_like_path
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def fetch_gguf(
     # HF_ENDPOINT read now: huggingface_hub read it once, at its import
     endpoint = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
     where = endpoint
-    if is_offline() or not hub_is_reachable(endpoint=endpoint):
+    if not hub_is_reachable(endpoint=endpoint):  # False offline (HF_HUB_OFFLINE) too
         raise ModelFetchError(f"{ref}: not in the local cache, and {where} is not reachable")
     try:
         if ref.filename:
