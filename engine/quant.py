@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,8 @@ from prefixrag.kernels.block_quant_matmul import (
     QBLOCK,
     BlockQuantWeight,
     amx_ready,
-    block_quant_dequantize,
+    block_quant_dequantize_bf16_into,
+    block_quant_dequantize_into,
     block_quant_matmul,
     block_quant_matmul_amx,
     block_quant_rows,
@@ -38,7 +40,7 @@ from prefixrag.kernels.block_quant_matmul import (
     tile_min_rows,
 )
 from prefixrag.kernels.block_stack import BlockStack
-from prefixrag.kernels.native_build import NativeBuildError, load_library
+from prefixrag.kernels.native_build import NativeBuildError, cpu_flags, load_library
 
 WEIGHT_QUANTS = ("auto", "none", "int8", "gguf")
 log = logging.getLogger(__name__)
@@ -53,6 +55,11 @@ BLOCK_KERNEL_MAX_ROWS = 16
 # 64 against 175 and 195 (/tmp microbenchmarks of session 23, in the closing note).
 KQUANT_INT8_MAX_ROWS = 256
 KQUANT_FLOAT_MAX_ROWS = 48
+# NOTE: where the bfloat16 GEMM is native (bf16_prefill) it overtakes the int8 block kernel far
+# sooner. The 1.5B's matrices, 2 threads, 2-core AMD EPYC with AVX512_BF16 (session 25,
+# median of 7), bfloat16 over int8: up_proj 0.98x at 32 rows, 0.63x at 64, 0.47x at 128;
+# down_proj (Q6_K) 2.22x, 0.85x, 0.52x; q_proj 0.86x, 0.49x, 0.45x. Half way: 48.
+KQUANT_BF16_MAX_ROWS = 48
 # NOTE: where the build has the block kernel's tiles (csrc/block_tiles.h, AVX-512), float32 rows
 # of x up to this many (a new question of tens of tokens after cached documents) take them, with
 # the bits a decode step gives each row. bench/prefill_matmul_bench.py, SmolLM2-135M Q4_1, 2
@@ -161,13 +168,13 @@ def linear(
         if rows <= block_kernel_max_rows(weight):
             out = block_quant_matmul(x, weight, int8_activations=weight.int8_activations)
         elif weight.is_kquant:  # the tiles and AMX read plane kinds only
-            out = packed_linear(x, _dense(weight))
+            out = _widened_linear(x, weight)
         elif rows <= AMX_MAX_ROWS and _amx_build():
             out = block_quant_matmul_amx(x, weight)
         elif rows <= TILE_KERNEL_MAX_ROWS and _block_tiles_build():
             out = block_quant_matmul(x, weight)
         else:
-            dense = weight.dense if weight.dense is not None else block_quant_dequantize(weight)
+            dense = weight.dense if weight.dense is not None else _widened(weight)
             out = packed_linear(x, dense)
         return out if bias is None else out + bias
     if isinstance(weight, Int8Weight):
@@ -186,17 +193,54 @@ def block_kernel_max_rows(weight: BlockQuantWeight | BlockStack) -> int:
     parts = weight.parts if isinstance(weight, BlockStack) else (weight,)
     if not all(p.is_kquant for p in parts):
         return BLOCK_KERNEL_MAX_ROWS
-    return KQUANT_INT8_MAX_ROWS if weight.int8_activations else KQUANT_FLOAT_MAX_ROWS
+    if not weight.int8_activations:
+        return KQUANT_FLOAT_MAX_ROWS
+    return KQUANT_BF16_MAX_ROWS if bf16_prefill() else KQUANT_INT8_MAX_ROWS
 
 
-def _dense(weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
-    """The float32 matrix a prefill-sized matmul multiplies by: the kept copy (see
-    keep_dense_block_weights_), or widened for this call."""
+def _widened_linear(x: torch.Tensor, weight: BlockQuantWeight | BlockStack) -> torch.Tensor:
+    """``x @ W.T`` for a prefill-sized x over a file's K-quant rows or a stack of them: over the
+    kept float32 copy (see keep_dense_block_weights_), or over the matrix widened for this call,
+    in bfloat16 where the CPU multiplies bfloat16 natively (bf16_prefill)."""
     if weight.dense is not None:
-        return weight.dense  # type: ignore[return-value]
+        return packed_linear(x, weight.dense)  # type: ignore[arg-type]
+    parts = weight.parts if isinstance(weight, BlockStack) else (weight,)
+    if not bf16_prefill() or not all(p.is_kquant for p in parts):
+        return packed_linear(x, _widened(weight))
+    return F.linear(x.to(torch.bfloat16), _widened(weight, torch.bfloat16)).float()
+
+
+def _widened(
+    weight: BlockQuantWeight | BlockStack, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The matrix of a block weight (its parts stacked for a BlockStack), float32 or rounded to
+    bfloat16."""
     if isinstance(weight, BlockStack):
-        return weight.dequantize()
-    return block_quant_dequantize(weight)
+        return weight.dequantize(dtype)
+    out = torch.empty(weight.shape, dtype=dtype)
+    if dtype == torch.bfloat16:
+        block_quant_dequantize_bf16_into(weight, out)
+    else:
+        block_quant_dequantize_into(weight, out)
+    return out
+
+
+@functools.cache
+def bf16_prefill() -> bool:
+    """Whether a file's K-quant rows widened for a prefill-sized matmul are widened to bfloat16
+    and multiplied by oneDNN's bfloat16 GEMM (float32 sums), not float32's. (Plane kinds, the
+    packaged model's, keep float32: their prefill reads a kept float32 copy, tiles or AMX.)
+
+    Where the CPU has AVX512_BF16 or AMX-BF16 that GEMM runs at 4-5x float32's (2-core AMD EPYC
+    with AVX512_BF16, 2 threads, 512 rows by Qwen2.5-1.5B's 8,960 x 1,536 up projection: 17 ms
+    against 81 for MKL's float32 GEMM and 33 for oneDNN's over a packed weight), and the widened
+    matrix is half the bytes to write. Its rounding of x and W to 8 significant bits is the
+    size of the int8 activations' rounding that llama.cpp's prefill makes (and ours at up to
+    block_kernel_max_rows). PREFIXRAG_PREFILL_BF16=off keeps float32 everywhere."""
+    if os.environ.get("PREFIXRAG_PREFILL_BF16", "auto").lower() in ("0", "off", "false", "no"):
+        return False
+    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
+    return bool(native) and torch.backends.mkldnn.is_available()
 
 
 def _stack_linear(x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None) -> torch.Tensor:
@@ -204,7 +248,7 @@ def _stack_linear(x: torch.Tensor, weight: BlockStack, bias: torch.Tensor | None
     if rows <= block_kernel_max_rows(weight):
         out = weight.matmul(x, int8_activations=weight.int8_activations)
     else:
-        out = packed_linear(x, _dense(weight))
+        out = _widened_linear(x, weight)
     return out if bias is None else out + bias
 
 
@@ -332,7 +376,7 @@ def keep_dense_block_weights_(model: nn.Module, max_bytes: int) -> int:
     if not weights or total > max_bytes:
         return 0
     for weight in weights:
-        weight.dense = pack_weight(_dense(weight))
+        weight.dense = pack_weight(_widened(weight))
     return total
 
 

@@ -293,6 +293,23 @@ def block_quant_dequantize_into(
         raise ValueError(f"block_quant_dequantize rejected K = {k}")
 
 
+def block_quant_dequantize_bf16_into(
+    w: BlockQuantWeight, out: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
+) -> None:
+    """The matrix rounded to bfloat16 (the float32 matrix's ``.to(torch.bfloat16)``, bit for
+    bit) written into ``out``: contiguous bfloat16 [N, K], rows of a larger matrix, say."""
+    n, k = w.shape
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 [{n}, {k}]")
+    lib = load_library("block_quant_matmul.c", flags)
+    rc = lib.block_quant_dequantize_bf16(
+        ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(out),
+        ctypes.c_int64(n), ctypes.c_int64(k),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"block_quant_dequantize_bf16 rejected K = {k}")
+
+
 def block_quant_rows(
     w: BlockQuantWeight, ids: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
 ) -> torch.Tensor:

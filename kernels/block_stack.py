@@ -15,6 +15,7 @@ import torch
 
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
+    block_quant_dequantize_bf16_into,
     block_quant_dequantize_into,
     block_quant_matmul,
 )
@@ -53,12 +54,17 @@ class BlockStack:
         outs = [block_quant_matmul(x, p, int8_activations=int8_activations) for p in self.parts]
         return torch.cat(outs, dim=-1)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 matrix [N, K], each part widened into its rows."""
-        out = torch.empty(self.shape, dtype=torch.float32)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix [N, K], each part widened into its rows: float32, or that rounded to
+        bfloat16 (``dtype=torch.bfloat16``)."""
+        into = {
+            torch.float32: block_quant_dequantize_into,
+            torch.bfloat16: block_quant_dequantize_bf16_into,
+        }[dtype]
+        out = torch.empty(self.shape, dtype=dtype)
         at = 0
         for p in self.parts:
-            block_quant_dequantize_into(p, out[at : at + p.shape[0]])
+            into(p, out[at : at + p.shape[0]])
             at += p.shape[0]
         return out
 

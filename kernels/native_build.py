@@ -35,13 +35,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PREFIXRAG_KERNEL_CACHE", default))
 
 
-def _cpu_ident() -> str:
+def _cpu_flags_line() -> str:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         cpuinfo = ""
-    flags = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
-    return f"{platform.machine()}|{flags}"
+    return next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is missing)."""
+    return frozenset(_cpu_flags_line().partition(":")[2].split())
+
+
+def _cpu_ident() -> str:
+    return f"{platform.machine()}|{_cpu_flags_line()}"
 
 
 @functools.cache

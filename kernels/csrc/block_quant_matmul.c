@@ -22,6 +22,7 @@
 #define _GNU_SOURCE /* syscall(), which asks Linux for the AMX tile state */
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "block_quant.h"
 #include "block_tiles.h"
@@ -188,6 +189,32 @@ int block_quant_dequantize(int kind, const void *codes, const float *d, const fl
     if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++) expand_row(kind, codes, d, m, j, k, out + j * k);
+    return 0;
+}
+
+/* float32 to bfloat16, rounded to nearest even as torch rounds (no NaN in a weight matrix) */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The matrix in bfloat16, [N, K]: each row widened to float32 as above, then rounded, so it is
+ * the float32 matrix's .to(torch.bfloat16) bit for bit, at half the bytes written (prefill's
+ * bfloat16 GEMM, engine/quant.py's bf16_prefill). */
+int block_quant_dequantize_bf16(int kind, const void *codes, const float *d, const float *m,
+                                uint16_t *out, int64_t n, int64_t k) {
+    if (!valid_k(kind, k) || k > MAX_K || !valid_kind(kind)) return -1;
+#pragma omp parallel
+    {
+        float row[MAX_K];
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            expand_row(kind, codes, d, m, j, k, row);
+            uint16_t *o = out + j * k;
+            for (int64_t i = 0; i < k; i++) o[i] = bf16_of(row[i]);
+        }
+    }
     return 0;
 }
 

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine import quant
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.quant import (
     Int8Weight,
+    block_kernel_max_rows,
     dequantize,
     linear,
     quantize_per_channel,
     resolve_weight_quant,
 )
 from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize
 from tests.engine.llm_fixtures import model_cache_dir
+from tests.kernels.test_block_quant_matmul import random_gguf_blocks
 
 PROMPTS = [
     "The capital of France is",
@@ -325,6 +330,50 @@ def test_kquant_rows_keep_the_block_kernel_for_a_short_extend(int8):
         assert torch.equal(linear(x[:limit], weight), alone)
     dense = x.double() @ block_quant_dequantize(w).double().T
     past = linear(x, w).double()
-    tol = 0.02 if int8 else 1e-5
+    # int8 activations round x to 8 bits, and so does a bfloat16 GEMM (bf16_prefill) x and W
+    tol = 0.02 if int8 or quant.bf16_prefill() else 1e-5
     assert (past - dense).norm() < tol * dense.norm()
     assert not torch.equal(past[:limit].float(), linear(x[:limit], w))
+
+
+def _kquant_weight(rows: int, k: int) -> BlockQuantWeight:
+    raw = random_gguf_blocks("Q4_K", rows, k, seed=rows)
+    return BlockQuantWeight("q4_k", torch.from_numpy(raw), None, None)
+
+
+def test_a_prefill_sized_matmul_widens_to_bfloat16_only_where_the_cpu_multiplies_it(monkeypatch):
+    w = _kquant_weight(40, 512)
+    rows = block_kernel_max_rows(w) + 8  # past the block kernel: the widened matrix's GEMM
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1))
+    dense = block_quant_dequantize(w)
+    exact = x.double() @ dense.double().T
+    monkeypatch.setattr(quant, "bf16_prefill", lambda: True)
+    on = quant.linear(x, w)
+    assert on.dtype == torch.float32
+    assert torch.equal(on, F.linear(x.bfloat16(), dense.bfloat16()).float())
+    monkeypatch.setattr(quant, "bf16_prefill", lambda: False)
+    off = quant.linear(x, w)
+    assert torch.equal(off, F.linear(x, dense))
+    # bfloat16's 8 significant bits of x and W: about the error of int8 activations
+    scale = exact.abs().max()
+    assert (off.double() - exact).abs().max() < 1e-5 * scale
+    assert 1e-5 * scale < (on.double() - exact).abs().max() < 2e-2 * scale
+
+
+def test_bfloat16_prefill_follows_the_cpu_flags_and_the_setting(monkeypatch):
+    for flags, setting, expected in [
+        ({"avx2", "avx512_bf16"}, "auto", True),
+        ({"avx2", "amx_bf16"}, None, True),
+        ({"avx2", "avx512f"}, "auto", False),  # bfloat16 emulated: slower than float32
+        ({"avx512_bf16"}, "off", False),
+    ]:
+        monkeypatch.setattr(quant, "cpu_flags", lambda flags=flags: frozenset(flags))
+        if setting is None:
+            monkeypatch.delenv("PREFIXRAG_PREFILL_BF16", raising=False)
+        else:
+            monkeypatch.setenv("PREFIXRAG_PREFILL_BF16", setting)
+        quant.bf16_prefill.cache_clear()
+        try:
+            assert quant.bf16_prefill() is expected, (flags, setting)
+        finally:
+            quant.bf16_prefill.cache_clear()

@@ -11,6 +11,7 @@ from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
+    block_quant_dequantize_bf16_into,
     block_quant_matmul,
     fixed_order_matmul,
     simd_lanes,
@@ -275,3 +276,20 @@ def test_packaged_model_tensors_dequantize_exactly():
         assert torch.equal(block_quant_dequantize(w), expected.float())
         x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
         torch.testing.assert_close(block_quant_matmul(x, w), x @ expected.float().T)
+
+
+@BUILDS
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_the_bfloat16_matrix_is_the_float32_one_rounded(flags, gguf_type):
+    n, k = 9, 768
+    raw = random_gguf_blocks(gguf_type, n, k, seed=3)
+    weights = [from_gguf_blocks(raw, gguf_type, (n, k))]
+    if gguf_type.endswith("_K"):  # the file's own rows, as a mapped model reads them
+        weights.append(BlockQuantWeight(gguf_type.lower(), torch.from_numpy(raw), None, None))
+    for w in weights:
+        expected = block_quant_dequantize(w, flags).to(torch.bfloat16)
+        out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+        block_quant_dequantize_bf16_into(w, out, flags)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), w.kind
+    with pytest.raises(ValueError, match="bfloat16"):
+        block_quant_dequantize_bf16_into(weights[0], torch.empty(n, k), flags)
