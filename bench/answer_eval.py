@@ -24,6 +24,10 @@ copy of the same corpus; configurations that share a prompt are interleaved in t
 `--model PATH` serves another GGUF than the packaged SmolLM2-135M (a second column, e.g. the
 Qwen2.5-Coder-0.5B of bench/setup_qwen.sh, with `--suffix _qwen`); the corpus is the same, as
 chunks are cut by the embedder's tokens.
+
+`--peer` adds llama.cpp (bench/setup_peers.sh's venv) on the same file, fed the very prompt ids
+the app built for each answer, and says where the two differ whether the prompt or the engine
+is to blame (bench/answer_peer.py).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ import numpy as np
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
+from bench.answer_peer import LastGeneration, peer_answer, peer_summary
+from bench.engine_bench import NOT_INSTALLED, ROOT, LlamaCpp
 from bench.eval_split import HALVES, split
-from prefixrag.app.core.settings import Settings, packaged_embedder_path
+from prefixrag.app.core.settings import Settings, packaged_embedder_path, packaged_llm_path
 from prefixrag.app.main import create_app
 from prefixrag.app.prompt.parts import NOT_IN_SOURCES
 from prefixrag.retrieval.embedder import Embedder
@@ -205,8 +211,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     started = time.perf_counter()
     model = {"llm": args.model} if args.model else {}
-    for prompt, group in by_prompt.items():
-        _run_app(spec, kept, questions, group, {**PROMPTS[prompt], **model}, rows, args.half)
+    peer = start_peer(args) if args.peer else None
+    try:
+        for prompt, group in by_prompt.items():
+            settings = {**PROMPTS[prompt], **model}
+            _run_app(spec, kept, questions, group, settings, rows, args.half, peer)
+    finally:
+        if peer is not None:
+            peer.close()
     return {
         "half": args.half,
         "model": Path(args.model).name if args.model else "packaged (SmolLM2-135M-Instruct)",
@@ -217,7 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # this process served every question (the app runs in it): its peak resident memory
         "peak_rss_mib": _peak_rss_mib(),
         "configs": {c: _described(c) for c in configs},
-        "summary": {c: summarize(rows[c]) for c in configs},
+        "peer": None if peer is None else peer.info,
+        "summary": {c: {**summarize(rows[c]), **peer_summary(rows[c])} for c in configs},
         "answers": rows,
     }
 
@@ -239,17 +252,36 @@ def _run_app(
     settings: dict[str, Any],
     rows: dict[str, list[dict[str, Any]]],
     half: str,
+    peer: LlamaCpp | None = None,
 ) -> None:
     """Ask every question under each configuration, interleaved, in one app with these settings
-    (a prompt variant's, the model)."""
+    (a prompt variant's, the model); the peer, when given, answers each of the app's prompts
+    right after it."""
     with eval_client(spec, kept, **settings) as client:
+        llm = client.app.state.prefixrag.llm  # type: ignore[attr-defined]
+        last = LastGeneration()
+        last.install(llm)
         for question in tqdm(questions, desc=f"{half} questions"):
             for config in configs:  # interleaved: every config meets the same cache state
                 fields = CONFIGS[parse_config(config)[0]]
                 body = {"question": question["q"], "temperature": 0, **fields}
                 response = client.post("/v1/query", json=body)
                 response.raise_for_status()
-                rows[config].append(score(question, response.json()))
+                row = score(question, response.json())
+                if peer is not None:
+                    row["peer"] = peer_answer(peer, llm.engine.tokenizer, last)
+                    row["peer"]["answer_ok"] = holds_gold(row["peer"]["answer"], question["a"])
+                    row["peer"]["refusal"] = refuses(row["peer"]["answer"])
+                rows[config].append(row)
+
+
+def start_peer(args: argparse.Namespace) -> LlamaCpp:
+    """llama.cpp on the model the app serves, with this process's torch threads."""
+    python = args.peers_venv / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"llama.cpp: {NOT_INSTALLED}")
+    model = args.model or packaged_llm_path()
+    return LlamaCpp(python, model, _torch_threads(), args.peer_ctx, "on")
 
 
 @contextmanager
@@ -322,6 +354,16 @@ def print_summary(report: dict[str, Any]) -> None:
             f"{s['evidence_ms_p50']:7.1f} {s['ttft_ms_p50']:8.0f} "
             f"{s['completion_tokens_mean']:7.1f}"
         )
+        if "peer_answer_accuracy" in s:
+            print(
+                f"{'  llama.cpp, same prompt':24} {s['peer_answer_accuracy']:7.3f}"
+                f"  refusals {s['peer_refusals_when_recalled']:.3f}, same answer "
+                f"{s['same_answer']:.3f}, first 16 tokens equal {s['first_tokens_equal']:.3f}; "
+                f"where they differ: near tie {s['differ_near_tie']}, "
+                f"engine {s['differ_engine']}, reuse {s['differ_reuse']}; both wrong alike "
+                f"{s['both_wrong_same_answer']}; only ours right {s['only_ours_right']}, "
+                f"only theirs {s['only_peer_right']}"
+            )
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -360,6 +402,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
     parser.add_argument("--model", default="", help="a GGUF to serve (default: the packaged one)")
     parser.add_argument("--suffix", default="", help="appended to the result file names")
+    parser.add_argument("--peer", action="store_true", help="llama.cpp on the same prompt ids")
+    parser.add_argument("--peer-ctx", type=int, default=8192, help="the peer's context size")
+    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not DOC_ROOT.is_dir():

@@ -347,6 +347,15 @@ class LlamaCpp:
         r = self.call("decode", prompt=prompt, new_tokens=new_tokens)
         return r["tok_s"], r["token_ids"]
 
+    def generate(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int]:
+        """Greedy ids after ``prompt``, up to a stop id (left out) or ``max_tokens``."""
+        reply = self.call("generate", prompt=prompt, max_tokens=max_tokens, stop_ids=stop_ids)
+        return reply["token_ids"]
+
+    def next_logprobs(self, prompt: list[int], candidates: list[int]) -> list[float]:
+        """The peer's log-probabilities (nats) of each candidate as the token after ``prompt``."""
+        return self.call("next_logprobs", prompt=prompt, candidates=candidates)["logprobs"]
+
     def close(self) -> None:
         try:
             self.call("quit")

@@ -16,6 +16,10 @@ per command line (every reply has "ok"; a failed command replies {"ok": false, "
     {"cmd": "ttft_pair", "prefix": [ids], "suffix_a": [ids], "suffix_b": [ids]}
         cold: an empty KV, then prefix + suffix_a, timed to the first greedy token;
         warm: the prefix's KV from the cold run kept, suffix_b evaluated on top of it, timed
+    {"cmd": "generate", "prompt": [ids], "max_tokens": N, "stop_ids": [ids]}
+        greedy until a stop id (left out of the reply) or N tokens, KV reused as for decode
+    {"cmd": "next_logprobs", "prompt": [ids], "candidates": [ids]}
+        the log-probabilities (nats) of each candidate as the token after the prompt
     {"cmd": "quit"}
 
 Sampling is an argmax over the last position's logits (numpy), the same greedy choice as our
@@ -109,8 +113,7 @@ class Peer:
             raise ValueError("decode needs new_tokens >= 2 (tok/s is timed after the first)")
         # reuse the shared prefix, but always evaluate the prompt's last token for its logits
         kept = min(self._shared_prefix(prompt), len(prompt) - 1)
-        self._keep(kept)
-        self.llm.eval(prompt[kept:])
+        self._eval_prompt(prompt)
         tokens = [self._argmax()]
         start = time.perf_counter()
         for _ in range(new_tokens - 1):
@@ -118,6 +121,33 @@ class Peer:
             tokens.append(self._argmax())
         elapsed = time.perf_counter() - start
         return {"tok_s": (new_tokens - 1) / elapsed, "token_ids": tokens, "reused_tokens": kept}
+
+    def _eval_prompt(self, prompt: list[int]) -> None:
+        """The prompt's last logits, on the KV of the longest prefix already held."""
+        kept = min(self._shared_prefix(prompt), len(prompt) - 1)
+        self._keep(kept)
+        self.llm.eval(prompt[kept:])
+
+    def generate(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> dict:
+        self._eval_prompt(prompt)
+        tokens: list[int] = []
+        stops = set(stop_ids)
+        while len(tokens) < max_tokens:
+            token = self._argmax()
+            if token in stops:
+                break
+            tokens.append(token)
+            self.llm.eval([token])
+        return {"token_ids": tokens}
+
+    def next_logprobs(self, prompt: list[int], candidates: list[int]) -> dict:
+        self._eval_prompt(prompt)
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,)
+        ).astype(np.float64)
+        top = logits.max()
+        log_total = top + np.log(np.exp(logits - top).sum())
+        return {"logprobs": [float(logits[c] - log_total) for c in candidates]}
 
     def ttft_pair(self, prefix: list[int], suffix_a: list[int], suffix_b: list[int]) -> dict:
         # cold: reset() only zeroes n_tokens; the _keep(0) drops the KV itself and checks it
@@ -178,6 +208,10 @@ def main() -> None:
                 out = peer.info()
             elif cmd == "decode":
                 out = peer.decode(msg["prompt"], msg["new_tokens"])
+            elif cmd == "generate":
+                out = peer.generate(msg["prompt"], msg["max_tokens"], msg["stop_ids"])
+            elif cmd == "next_logprobs":
+                out = peer.next_logprobs(msg["prompt"], msg["candidates"])
             elif cmd == "ttft_pair":
                 out = peer.ttft_pair(msg["prefix"], msg["suffix_a"], msg["suffix_b"])
             else:
