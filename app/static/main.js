@@ -19,7 +19,7 @@ class StatusBar {
       const response = await fetch("/readyz");
       const body = await response.json();
       isReady = response.ok;
-      this.render(body.components || {});
+      this.render(body.components || {}, body.model);
     } catch (err) {
       this.render({ server: `unreachable: ${err.message}` });
     }
@@ -27,14 +27,16 @@ class StatusBar {
     return isReady;
   }
 
-  render(components) {
+  /** One item per component; the LLM's, once loaded, names the model that answers. */
+  render(components, model) {
     const items = Object.entries(components).map(([name, status]) => {
       const item = document.createElement("li");
       const kind = componentKind(status);
       item.className = `component component-${kind}`;
       item.dataset.component = name;
       item.title = `${name}: ${status}`;
-      item.textContent = kind === "ok" ? name : `${name}: ${status}`;
+      const label = name === "llm" && model ? `llm: ${model}` : name;
+      item.textContent = kind === "ok" ? label : `${name}: ${status}`;
       return item;
     });
     this.list.replaceChildren(...items);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +47,15 @@ def db_chunks(client: TestClient, chunk_ids: list[int]) -> dict[int, tuple[Chunk
             select(Chunk, Document.title).join(Document).where(Chunk.id.in_(chunk_ids))
         )
         return {chunk.id: (chunk, title) for chunk, title in rows}
+
+
+def test_readyz_names_the_model_that_answers(qa):
+    client, _ = qa
+    body = client.get("/readyz").json()
+    model = Path(app_state(client).settings.resolved_llm).name.removesuffix(".gguf")
+    assert body["status"] == "ok" and body["model"] == model
+    # the name clients pass as "model" to the OpenAI routes
+    assert model in [m["id"] for m in client.get("/v1/models").json()["data"]]
 
 
 def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):

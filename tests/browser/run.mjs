@@ -173,6 +173,8 @@ async function main() {
     page.on("pageerror", (err) => pageErrors.push(err.message));
     await page.goto(baseUrl);
     await page.locator(".component-ok[data-component=llm]").waitFor({ timeout: STEP_MS });
+    const llmItem = await page.locator(".component-ok[data-component=llm]").textContent();
+    check(/^llm: \S/.test(llmItem), `the status bar names the model that answers (got ${llmItem})`);
     if (key) await signsIn(page, key);
     await rejectsUnsupportedFile(page);
     const title = basename(documentPath); // a text file is titled by its file name

@@ -20,10 +20,12 @@ def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 def readyz(state: StateDep) -> JSONResponse:
-    """200 with each component's status once ready, else 503 with the same map; with engine
-    replicas, each replica and its state too."""
+    """200 with each component's status once ready, else 503 with the same map; the model that
+    answers once the LLM is loaded, and with engine replicas, each replica and its state too."""
     components = state.snapshot()
     body: dict[str, Any] = {"components": components}
+    if state.llm is not None:
+        body["model"] = state.llm.model_id
     replicas = state.llm.replicas() if state.llm is not None else None
     if replicas is not None:
         body["replicas"] = replicas
