@@ -117,6 +117,10 @@ class Settings(BaseSettings):
     # again, so its prompt still extends that turn's. With 3-grams banned, answer accuracy went
     # 1/66 -> 5/66 on answer_eval's held-out half (4 -> 7 of 60 on the tuning half)
     answer_key_lines: int = Field(2, ge=0, le=4)
+    # an answer that says its sources lack it while an evidence span scores this much or more
+    # (the embedder's cosine plus the term and code bonuses, retrieval/evidence.py) is reported
+    # `grounded: false` (app/services/grounding.py); not tuned yet
+    grounded_min_score: float = Field(0.6, ge=0.0)
 
     # serving
     host: str = "127.0.0.1"

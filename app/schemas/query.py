@@ -106,6 +106,27 @@ class UsageOut(BaseModel):
     recomputed_tokens: int = 0
 
 
+class SupportOut(BaseModel):
+    """The best evidence span over every source: what the answer should rest on."""
+
+    n: int
+    title: str
+    text: str
+    score: float
+
+
+class GroundingOut(BaseModel):
+    """Whether the answer rests on its sources: `grounded` is false when it cites none of them,
+    or says they lack the answer while a span scores high; `reason` says which. `cited` are the
+    source numbers the answer names; `support` is the best evidence span (shown under an answer
+    that is not grounded)."""
+
+    grounded: bool
+    reason: str | None = None
+    cited: list[int] = Field(default_factory=list)
+    support: SupportOut | None = None
+
+
 class QueryOut(BaseModel):
     """The answer, its sources, token usage, stage timings and how many sources did not fit.
 
@@ -122,3 +143,4 @@ class QueryOut(BaseModel):
     dropped_chunks: int
     dropped_turns: int
     finish_reason: str
+    grounding: GroundingOut

@@ -219,10 +219,11 @@ class Turn {
     return { question: this.question, answer: this.text, chunk_ids: this.chunkIds };
   }
 
-  done({ answer, usage, timings, finish_reason: reason }) {
+  done({ answer, usage, timings, finish_reason: reason, grounding }) {
     if (typeof answer === "string") this.text = answer;
     this.isDone = true;
     this.render(false);
+    if (grounding && !grounding.grounded) this.showSupport(grounding);
     const stats = this.root.querySelector(".stats");
     const pct = (n) => (usage.prompt_tokens ? Math.round((100 * n) / usage.prompt_tokens) : 0);
     // reused: served from the exact prefix cache, or cached source bodies placed anew (blended)
@@ -240,6 +241,23 @@ class Turn {
     stats.replaceChildren(...rows.map(([term, value, key]) => statRow(term, value, key)));
     stats.hidden = false;
     if (reason === "length") this.notice("The answer stopped at the max tokens limit.");
+  }
+
+  /** Under an answer that does not rest on its sources: why, and the best evidence line in the
+   * source's own words (the answer itself is never rewritten). */
+  showSupport({ reason, support }) {
+    const block = this.root.querySelector(".support");
+    const parts = [span("support-reason muted", `Not grounded: ${reason}.`)];
+    if (support) {
+      const quote = document.createElement("blockquote");
+      quote.className = "support-text";
+      quote.textContent = support.text;
+      const from = span("support-from", "From the sources ");
+      from.append(this.citeLink(String(support.n), `[${support.n}]`), ` ${support.title}:`);
+      parts.push(from, quote);
+    }
+    block.replaceChildren(...parts);
+    block.hidden = false;
   }
 
   finish() {

@@ -14,8 +14,9 @@ from prefixrag.app.core.models import Chunk, Document
 from prefixrag.app.main import create_app
 from prefixrag.app.prompt.builder import Source
 from prefixrag.app.prompt.parts import ANSWER_STOP, NOT_IN_SOURCES
-from prefixrag.app.schemas.query import QueryIn
+from prefixrag.app.schemas.query import CitationOut, QueryIn
 from prefixrag.app.services import qa as qa_service
+from prefixrag.app.services.grounding import assess
 from tests.app.conftest import LOAD_TIMEOUT_S, app_state
 from tests.app.qa_helpers import ingest_docs, parse_sse, qa_settings
 
@@ -56,6 +57,22 @@ def test_readyz_names_the_model_that_answers(qa):
     assert body["status"] == "ok" and body["model"] == model
     # the name clients pass as "model" to the OpenAI routes
     assert model in [m["id"] for m in client.get("/v1/models").json()["data"]]
+
+
+def test_every_answer_says_whether_it_rests_on_its_sources(qa):
+    client, _ = qa
+    min_score = app_state(client).settings.grounded_min_score
+    out = ask(client, max_tokens=24)
+    cited = [CitationOut(**c) for c in out["citations"]]
+    assert out["grounding"] == assess(out["answer"], cited, min_score).model_dump()
+    if not out["grounding"]["grounded"]:
+        support = out["grounding"]["support"]
+        assert support["n"] in {c.n for c in cited} and support["text"]
+    body = {"question": QUESTION, "max_tokens": 24, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/query", json=body) as response:
+        events = parse_sse("".join(response.iter_text()))
+    done = next(data for name, data in events if name == "done")
+    assert done["grounding"] == out["grounding"]  # greedy: the same answer, the same verdict
 
 
 def test_answer_cites_chunks_in_canonical_order_with_their_db_details(qa):

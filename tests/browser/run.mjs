@@ -105,6 +105,14 @@ async function ask(page) {
   check(answer.trim().length > 0, "the answer has text");
   check(streamed.length >= 2, `the answer arrived in pieces, saw ${streamed.length} partial texts`);
   console.log(`answer streamed in ${streamed.length} updates: ${JSON.stringify(answer)}`);
+  const refuses = /\b(documents?|sources?|context|text)\s+(do|does|did)\s*(not|n't)\b/i.test(answer);
+  if (!/\[\d+\]/.test(answer) && !refuses) {
+    const support = turn.locator(".support");
+    check(await support.isVisible(), "an answer that cites no source shows why, with the best evidence line");
+    const line = await support.locator(".support-text").innerText();
+    check(line.trim().length > 0, "the evidence line under an ungrounded answer has text");
+    check((await support.locator(".cite-ref").count()) === 1, "it links to its source");
+  }
   return turn;
 }
 
