@@ -30,7 +30,6 @@ from prefixrag.kernels.block_quant_matmul import (
     QBLOCK,
     BlockQuantWeight,
     amx_ready,
-    block_quant_dequantize_bf16_into,
     block_quant_dequantize_into,
     block_quant_matmul,
     block_quant_matmul_amx,
@@ -218,10 +217,7 @@ def _widened(
     if isinstance(weight, BlockStack):
         return weight.dequantize(dtype)
     out = torch.empty(weight.shape, dtype=dtype)
-    if dtype == torch.bfloat16:
-        block_quant_dequantize_bf16_into(weight, out)
-    else:
-        block_quant_dequantize_into(weight, out)
+    block_quant_dequantize_into(weight, out)
     return out
 
 

@@ -279,35 +279,23 @@ def block_quant_dequantize(
 def block_quant_dequantize_into(
     w: BlockQuantWeight, out: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
 ) -> None:
-    """:func:`block_quant_dequantize` written into ``out`` (contiguous float32 [N, K]: rows of a
-    larger matrix, say)."""
+    """:func:`block_quant_dequantize` written into ``out``: contiguous [N, K] (rows of a larger
+    matrix, say), float32, or bfloat16 for the float32 matrix rounded (its
+    ``.to(torch.bfloat16)``, bit for bit, at half the bytes written)."""
     n, k = w.shape
-    if out.dtype != torch.float32 or tuple(out.shape) != (n, k) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 [{n}, {k}]")
-    lib = load_library("block_quant_matmul.c", flags)
-    rc = lib.block_quant_dequantize(
+    entries = {
+        torch.float32: "block_quant_dequantize",
+        torch.bfloat16: "block_quant_dequantize_bf16",
+    }
+    if out.dtype not in entries or tuple(out.shape) != (n, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 or bfloat16 [{n}, {k}]")
+    entry = entries[out.dtype]
+    rc = getattr(load_library("block_quant_matmul.c", flags), entry)(
         ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(out),
         ctypes.c_int64(n), ctypes.c_int64(k),
     )  # fmt: skip
     if rc != 0:
-        raise ValueError(f"block_quant_dequantize rejected K = {k}")
-
-
-def block_quant_dequantize_bf16_into(
-    w: BlockQuantWeight, out: torch.Tensor, flags: tuple[str, ...] = DEFAULT_FLAGS
-) -> None:
-    """The matrix rounded to bfloat16 (the float32 matrix's ``.to(torch.bfloat16)``, bit for
-    bit) written into ``out``: contiguous bfloat16 [N, K], rows of a larger matrix, say."""
-    n, k = w.shape
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (n, k) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 [{n}, {k}]")
-    lib = load_library("block_quant_matmul.c", flags)
-    rc = lib.block_quant_dequantize_bf16(
-        ctypes.c_int(_KIND[w.kind]), _ptr(w.codes), _ptr(w.d), _ptr(w.m), _ptr(out),
-        ctypes.c_int64(n), ctypes.c_int64(k),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"block_quant_dequantize_bf16 rejected K = {k}")
+        raise ValueError(f"{entry} rejected K = {k}")
 
 
 def block_quant_rows(

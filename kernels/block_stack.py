@@ -15,7 +15,6 @@ import torch
 
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
-    block_quant_dequantize_bf16_into,
     block_quant_dequantize_into,
     block_quant_matmul,
 )
@@ -57,14 +56,10 @@ class BlockStack:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The matrix [N, K], each part widened into its rows: float32, or that rounded to
         bfloat16 (``dtype=torch.bfloat16``)."""
-        into = {
-            torch.float32: block_quant_dequantize_into,
-            torch.bfloat16: block_quant_dequantize_bf16_into,
-        }[dtype]
         out = torch.empty(self.shape, dtype=dtype)
         at = 0
         for p in self.parts:
-            into(p, out[at : at + p.shape[0]])
+            block_quant_dequantize_into(p, out[at : at + p.shape[0]])
             at += p.shape[0]
         return out
 

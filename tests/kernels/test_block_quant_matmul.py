@@ -11,7 +11,7 @@ from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.kernels.block_quant_matmul import (
     BlockQuantWeight,
     block_quant_dequantize,
-    block_quant_dequantize_bf16_into,
+    block_quant_dequantize_into,
     block_quant_matmul,
     fixed_order_matmul,
     simd_lanes,
@@ -289,7 +289,7 @@ def test_the_bfloat16_matrix_is_the_float32_one_rounded(flags, gguf_type):
     for w in weights:
         expected = block_quant_dequantize(w, flags).to(torch.bfloat16)
         out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
-        block_quant_dequantize_bf16_into(w, out, flags)
+        block_quant_dequantize_into(w, out, flags)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), w.kind
-    with pytest.raises(ValueError, match="bfloat16"):
-        block_quant_dequantize_bf16_into(weights[0], torch.empty(n, k), flags)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        block_quant_dequantize_into(weights[0], torch.empty(n, k, dtype=torch.float16), flags)
