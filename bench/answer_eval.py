@@ -54,7 +54,7 @@ from bench.engine_bench import NOT_INSTALLED, ROOT, LlamaCpp
 from bench.eval_split import HALVES, split
 from prefixrag.app.core.settings import Settings, packaged_embedder_path, packaged_llm_path
 from prefixrag.app.main import create_app
-from prefixrag.app.prompt.parts import NOT_IN_SOURCES
+from prefixrag.app.services.grounding import refuses
 from prefixrag.retrieval.embedder import Embedder
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
@@ -128,12 +128,6 @@ def loops(answer: str, n: int = LOOP_WORDS) -> bool:
     words = re.findall(r"\w+", answer.lower())
     grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return len(grams) != len(set(grams))
-
-
-def refuses(answer: str) -> bool:
-    """True when the answer opens by saying the sources lack it (the app's own rule)."""
-    # the rule looks for a space after the sentence (it runs on a stream); a whole answer ends
-    return re.match(NOT_IN_SOURCES, answer + " ", re.IGNORECASE) is not None
 
 
 def score(question: dict, out: dict) -> dict[str, Any]:
