@@ -254,7 +254,8 @@ def _run_app(
     with eval_client(spec, kept, **settings) as client:
         llm = client.app.state.prefixrag.llm  # type: ignore[attr-defined]
         last = LastGeneration()
-        last.install(llm)
+        if peer is not None:  # only the peer reads what the app fed its engine
+            last.install(llm)
         for question in tqdm(questions, desc=f"{half} questions"):
             for config in configs:  # interleaved: every config meets the same cache state
                 fields = CONFIGS[parse_config(config)[0]]
