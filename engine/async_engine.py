@@ -42,6 +42,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._deliver: dict[int, Deliver] = {}
+        # the tree as the last step left it, for peeks from other threads (see cached_prefix_len)
+        self._cached_keys = engine.scheduler.cache.cached_keys()
         self._thread = threading.Thread(target=self._loop, name="prefixrag-engine", daemon=True)
         self._thread.start()
 
@@ -131,12 +133,13 @@ class AsyncEngine:
     def cached_prefix_len(
         self, token_ids: SequenceOf[int], cache_scope: CacheScope = CacheScope()
     ) -> int:
-        """How many leading tokens of ``token_ids`` the prefix cache holds now for this scope.
+        """How many leading tokens of ``token_ids`` the prefix cache held after the last step.
 
-        A read-only peek from the caller's thread (no recency, no counters): the tree only
-        grows or loses leaves between steps, so at worst the answer is a step old.
+        Safe from any thread by design: it reads the immutable snapshot of the tree's keys that
+        the engine thread publishes between steps (one reference, swapped whole), never the live
+        tree. No recency, no counters; at worst the answer is a step old.
         """
-        return self.engine.scheduler.cache.prefix_len(list(token_ids), cache_scope)
+        return self._cached_keys.prefix_len(list(token_ids), cache_scope)
 
     async def drop_chunks(self, namespace: str, tag: str) -> int:
         """Forget the cached chunk bodies of ``namespace`` tagged ``tag`` (a deleted document)."""
@@ -197,6 +200,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stopped.is_set():
             self._run_commands()
+            self._cached_keys = self.engine.scheduler.cache.cached_keys()
             if not self.engine.has_unfinished():
                 self._wake.wait()
                 self._wake.clear()

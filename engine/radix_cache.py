@@ -72,6 +72,35 @@ def chained_block_keys(
     return keys
 
 
+class CachedKeys:
+    """An immutable snapshot of the tree's block keys: a prefix-length peek for other threads.
+
+    The engine thread mutates the tree between steps; a reader on another thread walking the
+    live nodes could meet a half-made insert or eviction. This holds no nodes, only the set of
+    keys as one step left them, so a reader sees one whole state, at worst a step old. It
+    trusts the 128-bit key alone (the tree also compares tokens): fine for the hint it gives,
+    since the namespace is in the key and nothing is served from it.
+    """
+
+    __slots__ = ("block_size", "hash_fn", "keys")
+
+    def __init__(self, keys: frozenset[bytes], block_size: int, hash_fn: HashFn) -> None:
+        self.keys = keys
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+
+    def prefix_len(self, token_ids: Sequence[int], cache_scope: CacheScope = CacheScope()) -> int:
+        """Leading tokens of ``token_ids`` cached in whole blocks when the snapshot was taken."""
+        bs = self.block_size
+        parent = b""
+        for i in range(len(token_ids) // bs):
+            block_ns = block_namespace(cache_scope, i, bs)
+            parent = self.hash_fn(parent, block_ns, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if parent not in self.keys:
+                return i * bs
+        return len(token_ids) // bs * bs
+
+
 class RadixNode:
     """One cached full block. ``lock_ref`` and ``pin_ref`` count holders along the path to root."""
 
@@ -175,6 +204,9 @@ class RadixCache:
         self._num_pinned = 0
         self._heap: list[tuple[int, int, RadixNode]] = []
         self._heap_seq = 0
+        # how many attached nodes have each key (several only under a colliding hash_fn)
+        self._keys: dict[bytes, int] = {}
+        self._snapshot: CachedKeys | None = None  # None once the tree changed since the last
 
     # -- counters ---------------------------------------------------------------------------
 
@@ -240,6 +272,13 @@ class RadixCache:
         """How many tokens ``match_prefix`` would match, without touching recency or counters."""
         path = self._walk(token_ids, cache_scope, max_num_tokens, keys)
         return len(path) * self.block_size
+
+    def cached_keys(self) -> CachedKeys:
+        """The tree's keys now, frozen (see CachedKeys); the same object until the tree changes,
+        so taking one after every step costs a copy only for steps that cached or evicted."""
+        if self._snapshot is None:
+            self._snapshot = CachedKeys(frozenset(self._keys), self.block_size, self._hash_fn)
+        return self._snapshot
 
     # -- insertion --------------------------------------------------------------------------
 
@@ -308,7 +347,7 @@ class RadixCache:
         if child is None:
             child = RadixNode(key, namespace, block_tokens, block_id, parent)
             parent.children[key] = child
-            self._num_nodes += 1
+            self._attached(key)
         elif child.token_ids != block_tokens or child.namespace != namespace:
             return None  # a hash collision: refuse rather than alias (as _child_for)
         child.last_access_time = self._tick()
@@ -330,7 +369,7 @@ class RadixCache:
             return child if same else None
         child = RadixNode(key, ns, block_tokens, block_id, node)
         node.children[key] = child
-        self._num_nodes += 1
+        self._attached(key)
         return child
 
     # -- references -------------------------------------------------------------------------
@@ -420,6 +459,7 @@ class RadixCache:
             freed.append(node.block_id)
             node.block_id = -1
             self._num_nodes -= 1
+            self._detached(node.key)
             self._push_if_evictable(parent)  # type: ignore[arg-type]
         self.block_pool.free(freed)
         self.evicted_blocks += len(freed)
@@ -463,6 +503,17 @@ class RadixCache:
             path.append(child)
             node = child
         return path
+
+    def _attached(self, key: bytes) -> None:
+        self._num_nodes += 1
+        self._keys[key] = self._keys.get(key, 0) + 1
+        self._snapshot = None
+
+    def _detached(self, key: bytes) -> None:
+        left = self._keys.pop(key) - 1
+        if left:
+            self._keys[key] = left
+        self._snapshot = None
 
     def _tick(self) -> int:
         self._clock += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 import pytest
 
@@ -185,3 +186,49 @@ def test_a_burst_bigger_than_the_kv_pool_queues_preempts_and_finishes(request, e
     assert stats["num_preemptions"] > 0  # the pool really ran out and requests were recomputed
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["blocks_used"] == 0  # every block came back
+
+
+def test_the_prefix_peek_races_evictions_and_sees_whole_states(request):
+    # A reader on another thread peeks at a cached prompt's length without pause while the
+    # engine thread fills a small pool and evicts it. Every answer must be a state some step
+    # left: whole blocks of the prompt, never an error or a half-made walk; once the engine is
+    # quiet the peek equals the live tree's own count, read on the engine thread.
+    small = AsyncEngine(make_engine(request, num_kv_blocks=24, max_num_seqs=2))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    block_size = small.engine.scheduler.cache.block_size
+    prompt = small.tokenizer.encode(" ".join(PROMPTS))
+    seen: list[int] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def peek_forever() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(small.cached_prefix_len(prompt))
+            except BaseException as exc:  # the test's own failure, reported below
+                failures.append(exc)
+                return
+
+    async def main():
+        await collect(small, prompt, params)
+        cached = small.cached_prefix_len(prompt)
+        reader = threading.Thread(target=peek_forever)
+        reader.start()
+        try:
+            for i in range(12):  # other prompts that need the whole pool: the first is evicted
+                await collect(small, f"{i} {' '.join(PROMPTS[::-1])}", params)
+        finally:
+            stop.set()
+            reader.join()
+        live = await small.call(lambda e: e.scheduler.cache.prefix_len(prompt))
+        evicted = await small.call(lambda e: e.scheduler.cache.evicted_blocks)
+        return cached, live, evicted
+
+    try:
+        cached, live, evicted = asyncio.run(main())
+    finally:
+        small.shutdown()
+    assert not failures, failures
+    assert cached >= 2 * block_size and evicted > 0
+    assert seen and all(n % block_size == 0 and 0 <= n <= cached for n in seen)
+    assert small.cached_prefix_len(prompt) == live < cached  # evicted, and the peek knows it

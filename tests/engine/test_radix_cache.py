@@ -94,6 +94,20 @@ def test_public_prefix_is_shared_and_the_rest_is_not() -> None:
         cache.insert(prompt[4:], pool.allocate(2), CacheScope("tenant-b"), parent=a_match.last_node)
 
 
+def test_a_snapshot_keeps_the_state_it_was_taken_in() -> None:
+    cache, pool = make_cache()
+    prompt = [1, 2, 3, 4, 5, 6]
+    cache_tokens(cache, pool, prompt)
+    before = cache.cached_keys()
+    assert before is cache.cached_keys()  # unchanged tree: the same snapshot, no copy
+    assert before.prefix_len(prompt) == 6
+    assert cache.evict(16) == 3
+    # the old snapshot is untouched by the eviction; a new one sees it
+    assert before.prefix_len(prompt) == 6
+    assert cache.cached_keys().prefix_len(prompt) == 0
+    assert before.prefix_len(prompt, CacheScope("tenant-a")) == 0  # keys carry the namespace
+
+
 def test_hash_collision_never_returns_other_tokens() -> None:
     cache, pool = make_cache(hash_fn=colliding_hash)
     cache_tokens(cache, pool, [1, 1])  # key 0
@@ -335,6 +349,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert all(n.last_access_time == newest for n in path_of(match.last_node))
         peek = self.cache.prefix_len(tokens, scope, max_num_tokens=limit)
         assert peek == match.num_tokens
+        snapshot = self.cache.cached_keys().prefix_len(tokens, scope)
+        if self.hash_fn is block_key:  # a real hash: keys alone say what the tree holds
+            assert snapshot == self.cache.prefix_len(tokens, scope)
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(0, 100))
@@ -402,6 +419,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.num_pinned_blocks == sum(n.pin_ref > 0 for n in nodes)
         unprotected = sum(n.lock_ref == 0 and n.pin_ref == 0 for n in nodes)
         assert self.cache.num_evictable_blocks == unprotected
+
+    @invariant()
+    def snapshot_holds_the_keys_of_the_tree(self) -> None:
+        assert self.cache.cached_keys().keys == frozenset(n.key for n in self.cache.iter_nodes())
 
     @invariant()
     def nodes_hold_their_path(self) -> None:
