@@ -180,9 +180,7 @@ class BlockManager:
     ) -> None:
         # a decode step filled block ``index`` right after the sequence's tree blocks
         bs = self.block_size
-        scope = seq.cache_scope
-        public = (index + 1) * bs <= scope.num_public_tokens
-        namespace = b"" if public else scope.namespace.encode()
+        namespace = seq.cache_scope.block_namespace(index, bs)
         block_id = seq.block_ids[index]
         tokens = seq.token_ids[index * bs : (index + 1) * bs]
         node = self.cache.extend_locked(parent, namespace, tokens, block_id)

@@ -24,6 +24,18 @@ class CacheScope:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"num_public_tokens must be an integer >= 0, got {count!r}")
 
+    def num_public_blocks(self, block_size: int) -> int:
+        """Full blocks inside the public head: the ones every namespace shares."""
+        return self.num_public_tokens // block_size
+
+    def block_namespace(self, block_index: int, block_size: int) -> bytes:
+        """The namespace of full block ``block_index`` (UTF-8): shared (``b""``) while it lies
+        inside the public head. The one place the rule lives: the tree, the block manager, the
+        replica router and the remote engine all ask here."""
+        if block_index < self.num_public_blocks(block_size):
+            return b""
+        return self.namespace.encode()
+
     def after(self, num_tokens: int) -> CacheScope:
         """The scope of what follows the first ``num_tokens`` tokens (fewer of them public)."""
         return CacheScope(self.namespace, max(0, self.num_public_tokens - num_tokens))

@@ -92,7 +92,7 @@ class PrefixAffinityPolicy(Generic[ReplicaKey]):
         replicas that served before and starve a fresh one.
         """
         cfg = self.config
-        num_public = cache_scope.num_public_tokens // cfg.block_size
+        num_public = cache_scope.num_public_blocks(cfg.block_size)
         keys = chained_block_keys(
             token_ids,
             cache_scope,

@@ -25,14 +25,6 @@ from prefixrag.engine.cache_scope import CacheScope
 HashFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 
 
-def block_namespace(cache_scope: CacheScope, block_index: int, block_size: int) -> bytes:
-    """The namespace of full block ``block_index`` (UTF-8): shared while it lies inside the
-    public head."""
-    if (block_index + 1) * block_size <= cache_scope.num_public_tokens:
-        return b""
-    return cache_scope.namespace.encode()
-
-
 _KEY_HEADER = struct.Struct("<II")
 _TOKEN_PACKERS: dict[int, struct.Struct] = {}  # by token count: one per block size in use
 
@@ -66,7 +58,7 @@ def chained_block_keys(
     keys: list[bytes] = []
     parent = b""
     for i in range(num_blocks):
-        block_ns = block_namespace(cache_scope, i, block_size)
+        block_ns = cache_scope.block_namespace(i, block_size)
         parent = hash_fn(parent, block_ns, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         keys.append(parent)
     return keys
@@ -94,7 +86,7 @@ class CachedKeys:
         bs = self.block_size
         parent = b""
         for i in range(len(token_ids) // bs):
-            block_ns = block_namespace(cache_scope, i, bs)
+            block_ns = cache_scope.block_namespace(i, bs)
             parent = self.hash_fn(parent, block_ns, tuple(token_ids[i * bs : (i + 1) * bs]))
             if parent not in self.keys:
                 return i * bs
@@ -303,7 +295,7 @@ class RadixCache:
         self._check_attached(node)
         if node is not self.root and node.namespace not in (ns, b""):
             raise ValueError("insert below a node of another namespace")
-        if node.namespace == ns and ns and cache_scope.num_public_tokens >= self.block_size:
+        if node.namespace == ns and ns and cache_scope.num_public_blocks(self.block_size):
             raise ValueError("a public block cannot follow a private one")
         num_full = len(token_ids) // self.block_size
         if len(block_ids) < num_full:
@@ -317,7 +309,7 @@ class RadixCache:
         held: list[int] = []
         duplicates: list[int] = []
         for i in range(num_full):
-            block_ns = block_namespace(cache_scope, i, self.block_size)
+            block_ns = cache_scope.block_namespace(i, self.block_size)
             child = self._child_for(node, block_ns, token_ids, i, block_ids[i])
             if child is None:
                 break
@@ -490,7 +482,7 @@ class RadixCache:
         node = self.root
         for i in range(max(limit, 0) // bs):
             block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_ns = block_namespace(cache_scope, i, bs)
+            block_ns = cache_scope.block_namespace(i, bs)
             if keys is not None and i < len(keys):
                 key = keys[i]
             else:

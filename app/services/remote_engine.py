@@ -241,7 +241,7 @@ class RemoteEngine:
         """Leading tokens of ``token_ids`` likely cached: the pinned public head, then the
         blocks of prompts this ingress sent before (an estimate; it cannot see evictions)."""
         block_size = self._sent.config.block_size
-        num_public = cache_scope.num_public_tokens // block_size * block_size
+        num_public = cache_scope.num_public_blocks(block_size) * block_size
         if token_ids[:num_public] != self.pinned_ids[:num_public]:
             return 0
         keys = self._sent.prefix_keys(token_ids, cache_scope)
