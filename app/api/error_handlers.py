@@ -3,6 +3,9 @@ OpenAI's `{"error": {...}}` envelope on the OpenAI routes."""
 
 from __future__ import annotations
 
+import logging
+
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -15,6 +18,9 @@ from prefixrag.app.core.errors import (
     ServiceError,
 )
 from prefixrag.app.schemas.openai import OPENAI_PATHS, error_body
+
+logger = logging.getLogger(__name__)
+DATABASE_UNAVAILABLE = "database unavailable"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -56,6 +62,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+    # The database went away (stopped, restarting, unreachable): 503 with a reason, not a 500.
+    # The pool reconnects by itself once it is back, so the app needs no restart.
+    app.add_exception_handler(sqlalchemy.exc.OperationalError, database_unavailable)
+    app.add_exception_handler(sqlalchemy.exc.TimeoutError, database_unavailable)
 
 
 async def service_error(request: Request, exc: Exception) -> JSONResponse:
@@ -72,3 +82,12 @@ async def service_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, DuplicateDocumentError):
         body["document_id"] = exc.document_id
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning("database unavailable on %s: %s", request.url.path, exc.__class__.__name__)
+    headers = {"Retry-After": "5"}
+    if request.url.path in OPENAI_PATHS:
+        body = error_body(DATABASE_UNAVAILABLE, type_="server_error")
+        return JSONResponse(body, status_code=503, headers=headers)
+    return JSONResponse({"detail": DATABASE_UNAVAILABLE}, status_code=503, headers=headers)
