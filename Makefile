@@ -26,7 +26,7 @@ LOCK_ARGS ?= --upgrade
 
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install lock run test test-all lint format typecheck bench bench-peers clean
+.PHONY: install lock run test test-compose test-all lint format typecheck bench bench-peers clean
 
 $(STAMP): pyproject.toml $(DEV_LOCK) $(MODELS_LOCK)
 	test -d $(VENV) || python3 -m venv $(VENV)
@@ -56,6 +56,13 @@ run: install
 
 test: install
 	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+# The compose deployment built and run for real (Docker; tests/deploy, marked slow). The local
+# images stand in for Docker Hub's (deploy/local-images.sh); PREFIXRAG_COMPOSE_LOCAL=0 uses
+# python:3.11-slim and postgres:15 instead.
+test-compose: install
+	if [ "$${PREFIXRAG_COMPOSE_LOCAL:-1}" = 1 ]; then bash deploy/local-images.sh; fi
+	$(PY) -m pytest -m slow tests/deploy -s $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
