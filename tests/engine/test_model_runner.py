@@ -37,7 +37,10 @@ def test_chunked_prefill_matches_one_prefill(runner):
         )
         start += size
     chunks.append(runner.run([StepItem(ids[start:], start, blocks, True)], all_logits=True))
-    torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-4, rtol=1e-4)
+    # Chunks of other lengths take other GEMM blockings, so float32 sums round in another order:
+    # logits of magnitude ~20 then differ by ~1e-4 on some hosts. A wrong position or a missed
+    # cached block moves them by whole units.
+    torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-3, rtol=1e-4)
 
 
 def test_logits_only_for_items_that_need_them(runner):
@@ -47,7 +50,7 @@ def test_logits_only_for_items_that_need_them(runner):
         [StepItem(ids, 0, [5, 6, 7], False), StepItem(ids[:12], 0, [8, 9], True)]
     )
     assert both.shape == (2, runner.vocab_size) and both.dtype == torch.float32
-    torch.testing.assert_close(only_second[0], both[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(only_second[0], both[1], atol=1e-3, rtol=1e-4)  # as above
     none = runner.run([StepItem(ids, 0, [0, 1, 2], False)])
     assert none.shape == (0, runner.vocab_size)
 
