@@ -23,8 +23,8 @@ from prefixrag.app.state import AppState, ComponentLoader
 if TYPE_CHECKING:
     import numpy as np
 
+    from prefixrag.app.replicas.remote_engine import RemoteEngine
     from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
-    from prefixrag.app.services.remote_engine import RemoteEngine
     from prefixrag.engine.config import EngineConfig
     from prefixrag.retrieval.analyzer import Analyzer
     from prefixrag.retrieval.lexical import LexicalSearch
@@ -316,7 +316,7 @@ def load_llm(state: AppState) -> str | None:
 def start_remote_engine(settings: Settings, config: EngineConfig) -> RemoteEngine:
     """Engine replicas on Ray Serve (settings.replicas of them), each pinning the stable prompt
     head as it starts; the ingress keeps only the tokenizer."""
-    from prefixrag.app.services.remote_engine import RayConnection, RemoteEngine, start_replicas
+    from prefixrag.app.replicas.remote_engine import RayConnection, RemoteEngine, start_replicas
     from prefixrag.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(config.model, cache_dir=config.cache_dir)

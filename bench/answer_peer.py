@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 NEAR_TIE_NATS = 0.1
 FIRST_TOKENS = 16  # the measure: the greedy first 16 tokens equal on both sides

@@ -72,12 +72,12 @@ from tqdm import tqdm
 from bench.decode_bandwidth import bandwidth_rows, stream_gb_per_s, weight_bytes_per_token
 from bench.requantize import cached
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
-from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.outputs import GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"

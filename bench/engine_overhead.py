@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from prefixrag.engine.config import EngineConfig
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.scheduler import Scheduler
 from prefixrag.engine.sequence import Sequence
 

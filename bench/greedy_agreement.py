@@ -29,7 +29,7 @@ from bench.engine_bench import NOT_INSTALLED, RESULTS, ROOT, LlamaCpp, corpus_id
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

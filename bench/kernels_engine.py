@@ -22,7 +22,7 @@ from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_config import ModelConfig, RopeScaling
 from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.outputs import GenerationDelta
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.tokenizer import Tokenizer
 
 LLAMA_31_8B = ModelConfig(

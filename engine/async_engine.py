@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.engine.chunks.store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.llm_engine import LLMEngine, StepEvent, StepFailedError
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import torch
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_disk import DiskTier
-from prefixrag.engine.chunk_host import HostTier, TierEntry
-from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan
+from prefixrag.engine.chunks.disk_tier import DiskTier
+from prefixrag.engine.chunks.host_tier import HostTier, TierEntry
+from prefixrag.engine.chunks.store import ChunkEntry, ChunkSpan
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult, TokenLogprob
-from prefixrag.engine.sampler import Sampler, SamplerOutput, SamplingError
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.sampling.sampler import Sampler, SamplerOutput, SamplingError
 from prefixrag.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from prefixrag.engine.sequence import Sequence
 

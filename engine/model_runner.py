@@ -26,13 +26,14 @@ from prefixrag.engine.attention.scattered import (
     make_scattered_attention,
 )
 from prefixrag.engine.attention.torch_backend import TorchAttention
-from prefixrag.engine.blend import (
+from prefixrag.engine.chunks.blend import (
     blend_forward,
     copy_slots,
     place_reused_kv,
     read_entry_kv,
     write_entry_kv,
 )
+from prefixrag.engine.chunks.reuse_plan import ReuseHit
 from prefixrag.engine.decode_graphs import (
     Capture,
     CudaGraphCapture,
@@ -51,7 +52,6 @@ from prefixrag.engine.quant import (
     resolve_int8_activations,
     resolve_weight_quant,
 )
-from prefixrag.engine.reuse_plan import ReuseHit
 from prefixrag.engine.tokenizer import Tokenizer
 from prefixrag.engine.weights import MappedGGUF, check_checkpoint, load_checkpoint, map_gguf
 from prefixrag.engine.weights.mapping import assign_mapped_weights
@@ -510,7 +510,7 @@ class ModelRunner:
         self, item: StepItem, hits: list[ReuseHit], *, fraction: float, select_layer: int
     ) -> tuple[torch.Tensor, int]:
         """Prefill ``item`` (the rest of one prompt) placing the cached bodies ``hits`` instead
-        of computing them, recomputing ``fraction`` of their tokens (see engine/blend.py).
+        of computing them, recomputing ``fraction`` of their tokens (see engine/chunks/blend.py).
 
         Returns the last token's float32 logits [1, vocab] and how many reused tokens were
         recomputed.

@@ -8,11 +8,11 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from itertools import islice
 
-from prefixrag.engine.block_manager import BlockManager
-from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan, ChunkStore
+from prefixrag.engine.chunks.reuse_plan import ReuseHit, ReusePlan
+from prefixrag.engine.chunks.store import ChunkEntry, ChunkSpan, ChunkStore
 from prefixrag.engine.config import EngineConfig
-from prefixrag.engine.radix_cache import HashFn, RadixCache, block_key
-from prefixrag.engine.reuse_plan import ReuseHit, ReusePlan
+from prefixrag.engine.kv_cache.block_manager import BlockManager
+from prefixrag.engine.kv_cache.radix_cache import HashFn, RadixCache, block_key
 from prefixrag.engine.sequence import Sequence, SequenceStatus
 
 # (namespace, body token ids, span) -> an entry now in the store, from a slower tier, or None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan, check_spans
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.chunks.store import ChunkSpan, check_spans
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.sampling.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +27,7 @@ class Sequence:
     positions ``i*block_size`` to ``(i+1)*block_size - 1``). The scheduler owns every field after
     ``arrival_time``; callers read them. ``cache_scope`` says whose prefix cache the request
     reads and writes (see :class:`CacheScope`); ``chunk_spans`` are the prompt's source bodies,
-    whose KV the chunk store may supply (see engine/chunk_store.py). Of the prompt,
+    whose KV the chunk store may supply (see engine/chunks/store.py). Of the prompt,
     ``num_cached_tokens`` came from an exact prefix hit, ``num_blended_tokens`` from cached chunk
     bodies placed at new positions, and ``num_recomputed_tokens`` were cached bodies computed
     again by blending.

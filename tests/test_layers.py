@@ -4,7 +4,7 @@ TYPE_CHECKING included, since those are exactly where loops and upward imports h
 - retrieval/ imports nothing of ours; kernels/ nothing of ours; engine/ only kernels/;
   migrations/ only app's core (the ORM models and settings).
 - Inside app/, each layer imports only the layers below it (DESIGN.md):
-  main > api, cli > startup, state > services > prompt > schemas > core.
+  main > api, cli > startup, state > services > prompt, replicas > schemas > core.
 - No import loop among our modules, and no route module imports another.
 """
 
@@ -31,6 +31,7 @@ APP_LAYERS = {
     "core": 0,
     "schemas": 1,
     "prompt": 2,
+    "replicas": 2,
     "services": 3,
     "state": 4,
     "startup": 4,

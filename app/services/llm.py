@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 from prefixrag.app.core.errors import InvalidInputError, PromptTooLongError, QueueFullError
 from prefixrag.app.core.settings import Settings
 from prefixrag.app.services.gguf_hub import local_llm
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.engine.chunks.store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from prefixrag.app.services.remote_engine import RemoteEngine
+    from prefixrag.app.replicas.remote_engine import RemoteEngine
     from prefixrag.engine.async_engine import AsyncEngine
 
 

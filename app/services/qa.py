@@ -31,10 +31,10 @@ from prefixrag.app.services.llm import LLMService, document_tag
 from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.app.services.sentence_store import restore_sentences
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.engine.chunks.store import ChunkSpan
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.retrieval.evidence import EvidenceFinder, EvidenceSpan
 from prefixrag.retrieval.pipeline import Hit, RetrievalResult, Retriever
 

@@ -18,7 +18,7 @@ from bench.answer_peer import (
 )
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.outputs import GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import make_engine
 
 

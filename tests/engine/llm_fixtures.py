@@ -7,7 +7,7 @@ import pytest
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

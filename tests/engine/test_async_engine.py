@@ -10,7 +10,7 @@ import pytest
 
 from prefixrag.engine.async_engine import AsyncEngine
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import make_engine
 
 PROMPTS = [

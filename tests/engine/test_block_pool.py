@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixrag.engine.block_pool import BlockPool, OutOfBlocksError
+from prefixrag.engine.kv_cache.block_pool import BlockPool, OutOfBlocksError
 
 
 def test_allocate_and_free_round_trip() -> None:

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 
 
 def test_default_scope_is_shared_and_all_private() -> None:

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixrag.engine import chunk_disk
-from prefixrag.engine.chunk_disk import DiskTier
+from prefixrag.engine.chunks import disk_tier
+from prefixrag.engine.chunks.disk_tier import DiskTier
 
 FP = {"model": "tiny", "dtype": "float32", "block_size": 16, "num_layers": 2, "head_dim": 8}
 NS = "tenant-a"
 TOKENS = (5, 6, 7, 8)
-LOGGER = "prefixrag.engine.chunk_disk"
+LOGGER = "prefixrag.engine.chunks.disk_tier"
 
 
 def _kv(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ _KILLED_WRITER = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     import torch
-    from prefixrag.engine import chunk_disk
+    from prefixrag.engine.chunks import disk_tier
 
     root, fingerprint = Path(sys.argv[1]), json.loads(sys.argv[2])
     state = {"round": 0, "pieces": 0}
@@ -150,9 +150,9 @@ _KILLED_WRITER = textwrap.dedent(
             print("MID", flush=True)
             time.sleep(120)
 
-    chunk_disk._PIECE_BYTES = 4096
-    chunk_disk._piece_hook = stall
-    tier = chunk_disk.DiskTier(root, fingerprint=fingerprint, max_bytes=1 << 30, background=False)
+    disk_tier._PIECE_BYTES = 4096
+    disk_tier._piece_hook = stall
+    tier = disk_tier.DiskTier(root, fingerprint=fingerprint, max_bytes=1 << 30, background=False)
     for i in range(3):
         state["round"], state["pieces"] = i, 0
         k = torch.full((2, 256, 4, 64), float(i))
@@ -183,7 +183,7 @@ def test_kill_during_write_leaves_the_last_complete_entry(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    directory = tmp_path / chunk_disk.fingerprint_id(FP)
+    directory = tmp_path / disk_tier.fingerprint_id(FP)
     assert any(name.endswith(".tmp") for name in os.listdir(directory))  # it died mid-write
 
     tier = _tier(tmp_path, max_bytes=1 << 30)
@@ -236,7 +236,7 @@ def test_drop_tag_removes_only_that_namespace_and_tag(tmp_path: Path) -> None:
 def stalled_writer(monkeypatch: pytest.MonkeyPatch):
     """Makes the writer thread wait inside its first payload piece until the event is set."""
     release = threading.Event()
-    monkeypatch.setattr(chunk_disk, "_piece_hook", lambda: release.wait(10))
+    monkeypatch.setattr(disk_tier, "_piece_hook", lambda: release.wait(10))
     yield release
     release.set()
 

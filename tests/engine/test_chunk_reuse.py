@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixrag.engine.blend import place_reused_kv, read_entry_kv, rerotate_keys
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.engine.chunks.blend import place_reused_kv, read_entry_kv, rerotate_keys
+from prefixrag.engine.chunks.reuse_plan import ReuseHit
+from prefixrag.engine.chunks.store import ChunkSpan
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model import apply_rope
 from prefixrag.engine.model_runner import StepItem
 from prefixrag.engine.outputs import GenerationResult
-from prefixrag.engine.reuse_plan import ReuseHit
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import make_engine
 
 HEAD = "You are a careful assistant. Answer from the numbered sources.\nSources:\n"

@@ -13,9 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixrag.engine.block_manager import BlockManager
-from prefixrag.engine.block_pool import BlockPool, OutOfBlocksError
-from prefixrag.engine.chunk_store import ChunkEntry, ChunkSpan, ChunkStore, check_spans, chunk_key
+from prefixrag.engine.chunks.store import ChunkEntry, ChunkSpan, ChunkStore, check_spans, chunk_key
+from prefixrag.engine.kv_cache.block_manager import BlockManager
+from prefixrag.engine.kv_cache.block_pool import BlockPool, OutOfBlocksError
 from prefixrag.engine.sequence import Sequence as Seq
 
 BS = 4

@@ -16,7 +16,7 @@ from prefixrag.engine.decode_graphs import graph_batch_sizes
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 CONFIG = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 300, 512)
 BLOCK_SIZE = 16

@@ -7,7 +7,7 @@ import torch
 
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import StepItem
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import make_engine
 
 PROMPT = "The three primary colours are"

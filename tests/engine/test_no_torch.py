@@ -5,16 +5,16 @@ import sys
 
 PURE_MODULES = [
     "prefixrag.engine.config",
-    "prefixrag.engine.sampling_params",
-    "prefixrag.engine.cache_scope",
+    "prefixrag.engine.sampling.params",
+    "prefixrag.engine.kv_cache.cache_scope",
     "prefixrag.engine.sequence",
-    "prefixrag.engine.block_pool",
-    "prefixrag.engine.radix_cache",
-    "prefixrag.engine.block_manager",
+    "prefixrag.engine.kv_cache.block_pool",
+    "prefixrag.engine.kv_cache.radix_cache",
+    "prefixrag.engine.kv_cache.block_manager",
     "prefixrag.engine.scheduler",
-    "prefixrag.engine.chunk_store",
-    "prefixrag.engine.reuse_plan",
-    "prefixrag.engine.prefix_affinity",
+    "prefixrag.engine.chunks.store",
+    "prefixrag.engine.chunks.reuse_plan",
+    "prefixrag.app.replicas.prefix_affinity",
 ]
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixrag.engine.penalties import TokenCounts
-from prefixrag.engine.sampler import Sampler
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.sampling.penalties import TokenCounts
+from prefixrag.engine.sampling.sampler import Sampler
 
 LOGITS = [2.0, -1.0, 0.5, 3.0, -2.0]
 PROMPT = [0, 4]

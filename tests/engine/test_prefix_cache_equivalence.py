@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefixrag.engine.llm_engine import LLMEngine
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import greedy_ids, make_engine
 
 BLOCK = 16

@@ -21,7 +21,7 @@ from prefixrag.engine.quant import (
     quantize_per_channel,
     resolve_weight_quant,
 )
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.kernels.block_quant_matmul import BlockQuantWeight, block_quant_dequantize
 from tests.engine.llm_fixtures import model_cache_dir
 from tests.kernels.test_block_quant_matmul import random_gguf_blocks

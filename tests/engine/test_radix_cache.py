@@ -12,9 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixrag.engine.block_pool import BlockPool
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.radix_cache import RadixCache, RadixNode, block_key
+from prefixrag.engine.kv_cache.block_pool import BlockPool
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.radix_cache import RadixCache, RadixNode, block_key
 
 BS = 2
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixrag.engine import sampler as sampler_module
-from prefixrag.engine.sampler import FAILED_TOKEN, Sampler, SamplingError, new_generator
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling import sampler as sampler_module
+from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.sampling.sampler import FAILED_TOKEN, Sampler, SamplingError, new_generator
 
 
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -209,7 +209,7 @@ def test_a_failed_row_has_no_logprobs_and_the_others_keep_theirs():
 
 
 def test_greedy_token_ids_is_torch_argmax_ties_nan_and_inf_included():
-    from prefixrag.engine.sampler import greedy_token_ids
+    from prefixrag.engine.sampling.sampler import greedy_token_ids
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, 1000, generator=gen)

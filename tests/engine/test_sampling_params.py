@@ -5,7 +5,7 @@ import math
 import pytest
 
 from prefixrag.engine.config import EngineConfig
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 
 def test_sampling_params_defaults_and_normalisation() -> None:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixrag.engine.cache_scope import CacheScope
 from prefixrag.engine.config import EngineConfig
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
 from prefixrag.engine.sequence import Sequence, SequenceStatus
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.sequence import Sequence, SequenceStatus
 
 

@@ -14,8 +14,8 @@ from prefixrag.engine.llm_engine import LLMEngine, StepFailedError
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampler import Sampler
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.sampling.sampler import Sampler
 
 VOCAB = 300
 PROMPTS = [[(7 * i + j) % 290 + 1 for i in range(13 + 5 * j)] for j in range(3)]

@@ -21,7 +21,7 @@ from prefixrag.engine.model import KernelRope
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.outputs import GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from tests.engine.llm_fixtures import make_engine, model_cache_dir
 
 HAS_CUDA = torch.cuda.is_available()

@@ -29,9 +29,9 @@ from prefixrag.app.schemas.openai import (
 )
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService
-from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=openai_error_responses(*COMMON_CODES))
 # what a generation route answers besides COMMON_CODES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixrag.engine.chunk_store import ChunkEntry
+from prefixrag.engine.chunks.store import ChunkEntry
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ import torch
 
 from prefixrag.engine.attention.backend import AttentionBackend
 from prefixrag.engine.attention.metadata import AttentionMetadata
+from prefixrag.engine.chunks.reuse_plan import ReuseHit
 from prefixrag.engine.model import ForwardContext, LlamaModel
 from prefixrag.engine.quant import embedding
-from prefixrag.engine.reuse_plan import ReuseHit
 
 
 def rerotate_keys(k: torch.Tensor, delta: int, cos_sin_cache: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from prefixrag.engine.block_pool import BlockPool
-from prefixrag.engine.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.block_pool import BlockPool
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 
 HashFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 

@@ -25,7 +25,7 @@ class SamplingParams:
     pres * (count > 0)``, counted over the generated tokens). Last, ``no_repeat_ngram_size=n``
     (Hugging Face's) bans every token that would complete an n-gram the output already holds, so
     no run of n tokens is generated twice (the prompt is not counted: an answer may quote its
-    sources). See engine/penalties.py.
+    sources). See engine/sampling/penalties.py.
 
     ``logprobs=k`` reports, for every generated token, its log-probability and the ``k`` most
     likely alternatives (0: the token's own only; None: nothing). They are the model's raw

@@ -4,7 +4,7 @@ A prompt names its source bodies as :class:`ChunkSpan` s. The first time a body 
 KV is copied into blocks of its own (``ceil(tokens / block_size)`` of them, from the same pool as
 the radix cache) and recorded here with the position its first token had (``base_pos``); a later
 prompt that places the same body anywhere re-rotates those keys to the new positions and reuses
-them (see engine/blend.py).
+them (see engine/chunks/blend.py).
 
 An entry's key is ``chunk_key(namespace, model, token_ids)``; lookups use the key only to find a
 candidate and then compare namespace and tokens, as the radix cache does, so neither a collision
@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from prefixrag.engine.block_pool import BlockPool
+from prefixrag.engine.kv_cache.block_pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,14 +3,14 @@ replica past the imbalance threshold, never lets one tenant's history draw anoth
 
 import pytest
 
-from prefixrag.engine.block_pool import BlockPool
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.prefix_affinity import (
+from prefixrag.app.replicas.prefix_affinity import (
     AffinityConfig,
     PrefixAffinityPolicy,
     ReplicaLoad,
 )
-from prefixrag.engine.radix_cache import RadixCache, chained_block_keys
+from prefixrag.engine.kv_cache.block_pool import BlockPool
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.radix_cache import RadixCache, chained_block_keys
 
 BS = 4
 REPLICAS = ("r0", "r1", "r2")

@@ -23,14 +23,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentRes
 
 from prefixrag.app.core.errors import ReplicaUnavailableError
 from prefixrag.app.core.settings import Settings
-from prefixrag.app.services.engine_replica import EngineReplica
-from prefixrag.app.services.replica_router import PrefixAffinityRouter
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.app.replicas.engine_replica import EngineReplica
+from prefixrag.app.replicas.prefix_affinity import AffinityConfig, PrefixAffinityPolicy
+from prefixrag.app.replicas.router import PrefixAffinityRouter
+from prefixrag.engine.chunks.store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.prefix_affinity import AffinityConfig, PrefixAffinityPolicy
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

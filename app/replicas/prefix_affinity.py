@@ -16,8 +16,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.radix_cache import chained_block_keys
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.engine.kv_cache.radix_cache import chained_block_keys
 
 ReplicaKey = TypeVar("ReplicaKey", bound=Hashable)
 

@@ -1,5 +1,5 @@
 """The engine deployment's Ray Serve request router: prefix affinity (the engine's own block
-keys, tenant-salted) with a least-loaded fallback, from engine/prefix_affinity.py.
+keys, tenant-salted) with a least-loaded fallback, from app/replicas/prefix_affinity.py.
 
 Serve builds one router per deployment handle, in the process that holds the handle (here the
 ingress), and asks it to rank the live replicas for each request. A request that names a
@@ -14,8 +14,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.prefix_affinity import AffinityConfig, PrefixAffinityPolicy, ReplicaLoad
+from prefixrag.app.replicas.prefix_affinity import AffinityConfig, PrefixAffinityPolicy, ReplicaLoad
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 
 # seconds a chosen replica counts a request that Serve has not reported sent
 PENDING_TTL_S = 5.0

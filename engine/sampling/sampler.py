@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from prefixrag.engine.outputs import TokenLogprob
-from prefixrag.engine.penalties import TokenCounts
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.sampling.penalties import TokenCounts
 
 # Stands in for the token of a row that could not be sampled; never a real token id.
 FAILED_TOKEN = -1
@@ -65,7 +65,7 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
 
 
 class Sampler:
-    """Every row's logits first get its bias and penalties (engine/penalties.py); then greedy
+    """Every row's logits first get its bias and penalties (sampling/penalties.py); then greedy
     rows are an argmax and the others go through temperature, top-k, min-p and top-p.
 
     A seeded request owns a ``torch.Generator`` per device its logits come from (made on first

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 
 class TokenCounts:

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from prefixrag.engine.async_engine import AsyncEngine
-from prefixrag.engine.cache_scope import CacheScope
-from prefixrag.engine.chunk_store import ChunkSpan
+from prefixrag.engine.chunks.store import ChunkSpan
 from prefixrag.engine.config import EngineConfig
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
-from prefixrag.engine.sampling_params import SamplingParams
+from prefixrag.engine.sampling.params import SamplingParams
 
 
 def replica_identity() -> tuple[str, str]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixrag.engine.block_pool import BlockPool
-from prefixrag.engine.chunk_store import ChunkEntry, ChunkStore
-from prefixrag.engine.radix_cache import HashFn, RadixCache, RadixNode, block_key
+from prefixrag.engine.chunks.store import ChunkEntry, ChunkStore
+from prefixrag.engine.kv_cache.block_pool import BlockPool
+from prefixrag.engine.kv_cache.radix_cache import HashFn, RadixCache, RadixNode, block_key
 from prefixrag.engine.sequence import Sequence
 
 
