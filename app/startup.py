@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     import numpy as np
 
     from prefixrag.app.replicas.remote_engine import RemoteEngine
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
     from prefixrag.engine.config import EngineConfig
-    from prefixrag.retrieval.analyzer import Analyzer
-    from prefixrag.retrieval.lexical import LexicalSearch
+    from prefixrag.retrieval.lexical.analyzer import Analyzer
+    from prefixrag.retrieval.lexical.terms import LexicalSearch
     from prefixrag.retrieval.pipeline import Retriever
     from prefixrag.retrieval.reranker import Reranker
     from prefixrag.retrieval.vector_index import VectorIndex
@@ -126,8 +126,8 @@ def load_index(state: AppState) -> str | None:
     from prefixrag.app.services.ingest import IngestService
     from prefixrag.app.services.lexical import DatabaseLexicalIndex
     from prefixrag.app.services.scopes import ScopeCache
-    from prefixrag.retrieval.analyzer import Analyzer
     from prefixrag.retrieval.chunking import Chunker
+    from prefixrag.retrieval.lexical.analyzer import Analyzer
 
     state.require("db", "embedder")
     if state.sessions is None or state.embedder is None:
@@ -175,8 +175,8 @@ def open_tantivy_lexical(
     the rows when it is new, and repaired after a crash). A directory tantivy cannot open is
     set aside and rebuilt: it is derived data, and the rows still hold every term."""
     from prefixrag.app.services.index_sync import reconcile_lexical
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
-    from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
+    from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 
     if state.sessions is None:
         raise NotReadyError("the database must load before the index")

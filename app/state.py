@@ -28,7 +28,7 @@ from prefixrag.retrieval.evidence import EvidenceFinder
 if TYPE_CHECKING:
     from prefixrag.app.prompt.builder import PromptBuilder
     from prefixrag.app.services.ingest import IngestService
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
     from prefixrag.app.services.llm import LLMService
     from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.embedder import Embedder

@@ -39,17 +39,16 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
-from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex, TantivyLexicalIndex
 from prefixrag.app.services.scopes import ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.app.startup import index_options
-from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_internals import id_selector
-from prefixrag.retrieval.lexical import index_terms
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
+from prefixrag.retrieval.lexical.terms import index_terms
 from prefixrag.retrieval.pipeline import Retriever
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex
 
 RESULTS = Path(__file__).parent / "results" / "hybrid_bench.json"

@@ -27,8 +27,8 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
-from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.html_text import html_to_text
+from prefixrag.retrieval.lexical.analyzer import Analyzer
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
 QUESTIONS = Path(__file__).parent / "data" / "python_docs_qa.json"

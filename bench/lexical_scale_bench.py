@@ -46,9 +46,9 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.settings import packaged_embedder_path
 from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
-from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.lexical import BM25_B, BM25_K1, fts5_match, index_terms
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.terms import BM25_B, BM25_K1, fts5_match, index_terms
 
 RESULTS = Path(__file__).parent / "results" / "lexical_scale_bench.json"
 K = 50

@@ -28,16 +28,16 @@ from tqdm import tqdm
 
 from bench.eval_split import HALVES, half_of
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
-from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.chunking import Chunk, Chunker
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.fts import Fts5Index
 from prefixrag.retrieval.fusion import rrf_fuse
 from prefixrag.retrieval.html_text import html_to_text
-from prefixrag.retrieval.lexical import index_terms, searchable_text
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.fts5_index import Fts5Index
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
+from prefixrag.retrieval.lexical.terms import index_terms, searchable_text
 from prefixrag.retrieval.parsing import ParsedDocument, Section
 from prefixrag.retrieval.pipeline import Retriever, TextPassage
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex
 
 DOC_ROOT = Path("/usr/share/doc/python3.11/html")
@@ -195,7 +195,7 @@ ANALYZERS: dict[str, Analyzer] = {
 
 class TantivyText:
     """The tantivy store of settings.lexical_engine "tantivy" over bare ids and texts, searched
-    with the shipped analyzer (the service's side is app/services/lexical_tantivy.py)."""
+    with the shipped analyzer (the service's side is app/services/lexical.py)."""
 
     def __init__(self, path: Path, ids: np.ndarray, texts: list[str]) -> None:
         self.analyzer = Analyzer()

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixrag.retrieval.analyzer import Analyzer
 from prefixrag.retrieval.embedder import Embedder
+from prefixrag.retrieval.lexical.analyzer import Analyzer
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.sentences import is_code_line, sentence_spans
 

@@ -12,7 +12,7 @@ import numpy as np
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.fusion import RRF_K, rrf_scores
 from prefixrag.retrieval.id_bitmap import IdBitmap
-from prefixrag.retrieval.lexical import LexicalSearch
+from prefixrag.retrieval.lexical.terms import LexicalSearch
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex
 

@@ -170,9 +170,9 @@ def _index_rebuild(args: argparse.Namespace, settings: Settings) -> int:
 
 def _rebuild_tantivy(state: AppState) -> int:
     from prefixrag.app.services.index_sync import reconcile_lexical
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
-    from prefixrag.retrieval.analyzer import Analyzer
-    from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
+    from prefixrag.retrieval.lexical.analyzer import Analyzer
+    from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 
     if state.sessions is None:
         raise NotReadyError("the database must load before the index")

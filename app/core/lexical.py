@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
-from prefixrag.retrieval.analyzer import Analyzer
-from prefixrag.retrieval.lexical import index_terms, searchable_text, tsvector_literal
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.terms import index_terms, searchable_text, tsvector_literal
 
 SQLITE_TABLE = "chunks_fts"
 POSTGRES_TABLE = "chunk_lexemes"

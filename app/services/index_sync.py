@@ -14,10 +14,10 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.models import Chunk, Document
-from prefixrag.retrieval.lexical import index_terms, searchable_text
+from prefixrag.retrieval.lexical.terms import index_terms, searchable_text
 
 if TYPE_CHECKING:
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
     from prefixrag.retrieval.embedder import Embedder
     from prefixrag.retrieval.vector_index import VectorIndex
 

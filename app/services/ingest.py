@@ -33,8 +33,8 @@ from prefixrag.app.core.errors import (
 from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import DEFAULT_TENANT, Chunk, Document
 from prefixrag.app.services.collections import get_or_create_collection
-from prefixrag.retrieval.analyzer import Analyzer
-from prefixrag.retrieval.lexical import searchable_text
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.terms import searchable_text
 from prefixrag.retrieval.parsing import (
     DocumentParseError,
     ParsedDocument,
@@ -44,7 +44,7 @@ from prefixrag.retrieval.parsing import (
 )
 
 if TYPE_CHECKING:
-    from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+    from prefixrag.app.services.lexical import TantivyLexicalIndex
     from prefixrag.app.services.scopes import ScopeCache
     from prefixrag.retrieval.chunking import Chunk as TextChunk
     from prefixrag.retrieval.chunking import Chunker

@@ -11,7 +11,7 @@ import pytest
 from prefixrag.app.cli.main import main
 from prefixrag.app.core.settings import Settings
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids, index_ids

@@ -35,7 +35,7 @@ from prefixrag.app.services.index_sync import reconcile_index
 from prefixrag.app.services.lexical import DatabaseLexicalIndex
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.faiss_internals import faiss
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 from prefixrag.retrieval.vector_index import VectorIndex, remove_partial_saves
 from tests.app.conftest import started
 from tests.app.helpers import HTML, MARKDOWN, PLAIN_TEXT, chunk_ids

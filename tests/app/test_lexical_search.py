@@ -18,7 +18,7 @@ from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.services.index_sync import fail_interrupted
 from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
-from prefixrag.retrieval.analyzer import Analyzer
+from prefixrag.retrieval.lexical.analyzer import Analyzer
 from tests.retrieval.test_lexical import reference_bm25, reference_order
 
 PLAIN = Analyzer(stop_words=False, stem=False, split_identifiers=False)

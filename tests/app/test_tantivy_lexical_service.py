@@ -12,10 +12,9 @@ from fastapi.testclient import TestClient
 
 from prefixrag.app.core.models import DEFAULT_TENANT
 from prefixrag.app.core.settings import Settings
-from prefixrag.app.services.lexical import ChunkScope
-from prefixrag.app.services.lexical_tantivy import TantivyLexicalIndex
+from prefixrag.app.services.lexical import ChunkScope, TantivyLexicalIndex
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 from tests.app.conftest import app_state, make_settings, started
 from tests.app.helpers import PLAIN_TEXT, chunk_ids, upload
 

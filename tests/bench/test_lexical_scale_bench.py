@@ -15,8 +15,8 @@ from bench.hybrid_bench import fill
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
-from prefixrag.retrieval.analyzer import Analyzer
-from prefixrag.retrieval.lexical import fts5_match, index_terms
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.terms import fts5_match, index_terms
 
 # a Zipf-like vocabulary: a few words in most chunks, most words in few
 WORDS = [f"w{i}" for i in range(60)]

@@ -11,10 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixrag.retrieval.analyzer import Analyzer, light_stem
-from prefixrag.retrieval.fts import Fts5Index
 from prefixrag.retrieval.fusion import rrf_fuse, rrf_scores
-from prefixrag.retrieval.lexical import MAX_TERM_BYTES, fts5_match, index_terms, tsvector_literal
+from prefixrag.retrieval.lexical.analyzer import Analyzer, light_stem
+from prefixrag.retrieval.lexical.fts5_index import Fts5Index
+from prefixrag.retrieval.lexical.terms import (
+    MAX_TERM_BYTES,
+    fts5_match,
+    index_terms,
+    tsvector_literal,
+)
 
 PLAIN = Analyzer(stop_words=False, stem=False, split_identifiers=False)
 CORPUS = {

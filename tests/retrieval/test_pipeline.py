@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prefixrag.retrieval.embedder import Embedder
-from prefixrag.retrieval.fts import Fts5Index
+from prefixrag.retrieval.lexical.fts5_index import Fts5Index
 from prefixrag.retrieval.pipeline import Retriever, TextPassage
 from prefixrag.retrieval.reranker import Reranker
 from prefixrag.retrieval.vector_index import VectorIndex

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixrag.retrieval.tantivy_lexical import TantivyLexical
+from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 from tests.retrieval.test_lexical import reference_bm25, reference_order
 
 # chunk id -> (document id, collection id, words); every chunk under 40 terms, where tantivy

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from prefixrag.retrieval.analyzer import Analyzer
+from prefixrag.retrieval.lexical.analyzer import Analyzer
 
 # PostgreSQL refuses a lexeme of 2 KiB or more; every store drops such terms, so they agree.
 MAX_TERM_BYTES = 2046

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixrag.retrieval.analyzer import Analyzer
-from prefixrag.retrieval.lexical import fts5_match, index_terms
+from prefixrag.retrieval.lexical.analyzer import Analyzer
+from prefixrag.retrieval.lexical.terms import fts5_match, index_terms
 
 # The ascii tokenizer splits only on ASCII non-alphanumerics: with '_' a token character, it
 # splits our space-joined terms at the spaces and nowhere else (non-ASCII are token characters).
