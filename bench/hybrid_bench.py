@@ -39,8 +39,8 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.core.settings import Settings, packaged_embedder_path
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex, TantivyLexicalIndex
-from prefixrag.app.services.scopes import ScopeCache
+from prefixrag.app.services.lexical import DatabaseLexicalIndex, TantivyLexicalIndex
+from prefixrag.app.services.scopes import Scope, ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.app.startup import index_options
 from prefixrag.retrieval.embedder import Embedder
@@ -207,21 +207,21 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     qvecs = {q: embedder.encode_query(q) for q in queries}
     report["embed"] = timed(embedder.encode_query, queries)
     report["vector"] = timed(lambda q: index.search(qvecs[q], K, allowed), queries)
-    report["lexical"] = timed(lambda q: lexical.search(q, K, ChunkScope(tenant="a")), queries)
+    report["lexical"] = timed(lambda q: lexical.search(q, K, Scope(tenant="a")), queries)
 
     def whole(q: str) -> None:
         with sessions() as session:
             search(session=session, retriever=retriever, scopes=scopes, query=q, top_k=5,
-                   candidates=K, tenant="a")  # fmt: skip
+                   candidates=K, scope=Scope(tenant="a"))  # fmt: skip
 
     report["hybrid_search"] = timed(whole, queries)
 
     side = TantivyLexicalIndex(sessions, TantivyLexical(tmp / "lexical"), Analyzer())
-    report["lexical_tantivy"] = timed(lambda q: side.search(q, K, ChunkScope(tenant="a")), queries)
+    report["lexical_tantivy"] = timed(lambda q: side.search(q, K, Scope(tenant="a")), queries)
     shares = [
         overlap(
-            side.search(q, K, ChunkScope(tenant="a"))[1],
-            lexical.search(q, K, ChunkScope(tenant="a"))[1],
+            side.search(q, K, Scope(tenant="a"))[1],
+            lexical.search(q, K, Scope(tenant="a"))[1],
             data["text_of"],
         )
         for q in queries

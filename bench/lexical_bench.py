@@ -26,7 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import Chunk, Collection, Document
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.html_text import html_to_text
 from prefixrag.retrieval.lexical.analyzer import Analyzer
 
@@ -96,7 +97,7 @@ def fill(sessions: sessionmaker[Session], base: list[str], num_chunks: int) -> f
     return terms_s
 
 
-def latencies(lexical: DatabaseLexicalIndex, queries: list[str], scope: ChunkScope) -> dict:
+def latencies(lexical: DatabaseLexicalIndex, queries: list[str], scope: Scope) -> dict:
     lexical.search(queries[0], K, scope)  # warm the caches once
     ms = []
     for q in queries:
@@ -125,8 +126,8 @@ def run(url: str, base: list[str], num_chunks: int, queries: list[str]) -> dict:
             "write_all_rows_s": round(fill_s, 1),
             "of_which_terms_s": round(terms_s, 1),
             "start_lexical_s": start_s,
-            "one_tenant": latencies(lexical, queries, ChunkScope(tenant="a")),
-            "unfiltered": latencies(lexical, queries, ChunkScope()),
+            "one_tenant": latencies(lexical, queries, Scope(tenant="a")),
+            "unfiltered": latencies(lexical, queries, Scope()),
         }
     finally:
         engine.dispose()

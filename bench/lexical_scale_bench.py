@@ -45,7 +45,8 @@ from bench.scale_cli import run_in_tmp, scale_parser
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
 from prefixrag.app.core.settings import packaged_embedder_path
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.lexical.analyzer import Analyzer
 from prefixrag.retrieval.lexical.terms import BM25_B, BM25_K1, fts5_match, index_terms
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     terms_of = {q: index_terms(analyzer, q) for q in queries}
     engine = make_engine(f"sqlite:///{path}")
     lexical = DatabaseLexicalIndex(make_sessionmaker(engine), analyzer)
-    scope = ChunkScope(tenant="a")
+    scope = Scope(tenant="a")
     report["service"], exact = timed(lambda q: lexical.search(q, K, scope)[1].tolist(), queries)
     exact_of = dict(zip(queries, exact, strict=True))
     count_sql = f"SELECT count(*) FROM {SQLITE_TABLE} WHERE {SQLITE_TABLE} MATCH ?"

@@ -25,31 +25,20 @@ collection never leaves the index behind.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import bindparam, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.lexical import POSTGRES_TABLE, POSTGRES_TOTALS, SQLITE_TABLE
-from prefixrag.app.core.models import Collection
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.lexical.analyzer import Analyzer
 from prefixrag.retrieval.lexical.terms import BM25_B, BM25_K1, fts5_match, index_terms
 
 if TYPE_CHECKING:
     # imported by whoever opens the index: tantivy loads only where it is the engine
     from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
-
-
-@dataclass(slots=True, frozen=True)
-class ChunkScope:
-    """Which chunks a search may return: those of ready documents of `tenant` (any when None),
-    in `collection` (any when None), among `document_ids` (any when None)."""
-
-    tenant: str | None = None
-    collection: str | None = None
-    document_ids: list[int] | None = None
 
 
 _SQLITE_SEARCH = f"""
@@ -107,7 +96,7 @@ LIMIT :k
 
 class DatabaseLexicalIndex:
     """The service's BM25 store (a retrieval.lexical.LexicalSearch): searches the chunk terms
-    in the database, scoped by a ChunkScope. It holds nothing in memory, so start-up builds
+    in the database, scoped by a Scope. It holds nothing in memory, so start-up builds
     nothing; ingest writes the terms (app/core/lexical.py) and chunk deletes remove them."""
 
     def __init__(self, sessions: sessionmaker[Session], analyzer: Analyzer | None = None) -> None:
@@ -115,7 +104,7 @@ class DatabaseLexicalIndex:
         self.analyzer = analyzer if analyzer is not None else Analyzer()
 
     def search(
-        self, query: str, k: int, scope: ChunkScope | None = None
+        self, query: str, k: int, scope: Scope | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the best `k` chunks within `scope` (None = every ready chunk) that
         share a term with `query`, best first; ties keep the lower id first."""
@@ -124,10 +113,10 @@ class DatabaseLexicalIndex:
         terms = index_terms(self.analyzer, query)
         if not terms:
             return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
-        scope = scope if scope is not None else ChunkScope()
+        scope = scope if scope is not None else Scope()
         with self._sessions() as session:
             is_postgres = session.get_bind().dialect.name == "postgresql"
-            filters, params = _scope_filters(scope)
+            filters, params = scope.sql_filters()
             if is_postgres:
                 sql = _POSTGRES_SEARCH.format(filters=filters)
                 params |= {"terms": terms, "tsquery": " | ".join(f"'{t}'" for t in set(terms))}
@@ -153,22 +142,6 @@ class DatabaseLexicalIndex:
             return np.asarray(list(session.scalars(text(sql))), dtype=np.int64)
 
 
-def _scope_filters(scope: ChunkScope) -> tuple[str, dict[str, Any]]:
-    filters = ""
-    params: dict[str, Any] = {}
-    if scope.tenant is not None:
-        filters += " AND collections.tenant = :tenant"
-        params["tenant"] = scope.tenant
-    if scope.collection is not None:
-        filters += " AND collections.name = :collection"
-        params["collection"] = scope.collection
-    if scope.document_ids is not None:
-        # an expanding parameter: SQLAlchemy writes an empty list as a never-true IN
-        filters += " AND documents.id IN :document_ids"
-        params["document_ids"] = [int(i) for i in scope.document_ids]
-    return filters, params
-
-
 class TantivyLexicalIndex:
     """BM25 over every ready chunk's terms in `store` (a retrieval.lexical.LexicalSearch).
 
@@ -184,15 +157,15 @@ class TantivyLexicalIndex:
         self.analyzer = analyzer
 
     def search(
-        self, query: str, k: int, scope: ChunkScope | None = None
+        self, query: str, k: int, scope: Scope | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the best `k` chunks within `scope` (None = every chunk) that share
         a term with `query`, best first."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         terms = index_terms(self.analyzer, query)
-        scope = scope if scope is not None else ChunkScope()
-        collection_ids = self._collection_ids(scope)
+        scope = scope if scope is not None else Scope()
+        collection_ids = _collection_ids_of(self._sessions, scope)
         return self.store.search(
             terms, k, collection_ids=collection_ids, document_ids=scope.document_ids
         )
@@ -221,13 +194,7 @@ class TantivyLexicalIndex:
         """Every chunk id held, sorted."""
         return self.store.ids()
 
-    def _collection_ids(self, scope: ChunkScope) -> list[int] | None:
-        if scope.tenant is None and scope.collection is None:
-            return None
-        query = select(Collection.id)
-        if scope.tenant is not None:
-            query = query.where(Collection.tenant == scope.tenant)
-        if scope.collection is not None:
-            query = query.where(Collection.name == scope.collection)
-        with self._sessions() as session:
-            return [int(i) for i in session.scalars(query)]
+
+def _collection_ids_of(sessions: sessionmaker[Session], scope: Scope) -> list[int] | None:
+    with sessions() as session:
+        return scope.collection_ids(session)

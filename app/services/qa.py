@@ -28,11 +28,10 @@ from prefixrag.app.prompt.parts import ANSWER_STOP, NOT_IN_SOURCES
 from prefixrag.app.schemas.query import CitationOut, EvidenceOut, QueryIn, TurnIn, UsageOut
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService, document_tag
-from prefixrag.app.services.scopes import ScopeCache
+from prefixrag.app.services.scopes import Scope, ScopeCache
 from prefixrag.app.services.search import search
 from prefixrag.app.services.sentence_store import restore_sentences
 from prefixrag.engine.chunks.store import ChunkSpan
-from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.retrieval.evidence import EvidenceFinder, EvidenceSpan
@@ -63,7 +62,7 @@ class PreparedAnswer:
     params: SamplingParams
     retrieval_ms: dict[str, float]
     started: float  # time.perf_counter() when the request arrived
-    tenant: str
+    scope: Scope  # what the request may see, and under whose salt its KV is cached
     evidence: dict[int, list[EvidenceSpan]]  # chunk id -> its best spans, best first
 
 
@@ -91,7 +90,8 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         stop_after=[NOT_IN_SOURCES],
         **query.sampling_kwargs(no_repeat_ngram_size=settings.answer_no_repeat_ngram_size),
     )
-    history, found = await run_in_threadpool(_read, pipeline, query, tenant)
+    scope = Scope(tenant, query.collection, query.document_ids)
+    history, found = await run_in_threadpool(_read, pipeline, query, scope)
     num_key_lines = settings.answer_key_lines if pipeline.evidence is not None else 0
     key_lines_s = 0.0
     if num_key_lines and history:
@@ -103,7 +103,7 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         pipeline.on_retrieval(timings)
     room = llm.max_model_len - max_tokens
     ranked = [to_source(hit) for hit in hits]
-    scope = CacheScope(namespace=tenant, num_public_tokens=len(pipeline.prompts.stable_ids))
+    cache_scope = scope.cache_scope(pipeline.prompts.stable_ids)
     # Following the cached prefix is part of chunk reuse: with it off, today's prompts exactly.
     follow_cache = settings.chunk_reuse and settings.prefix_cache
     prompt = pipeline.prompts.build(
@@ -111,7 +111,9 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         ranked,
         max_prompt_tokens=room,
         history=history,
-        cached_prefix_len=(lambda ids: llm.cached_prefix_len(ids, scope)) if follow_cache else None,
+        cached_prefix_len=(
+            (lambda ids: llm.cached_prefix_len(ids, cache_scope)) if follow_cache else None
+        ),
     )
     evidence = await run_in_threadpool(
         _find_evidence, pipeline, query.question, found.query_vector, prompt, timings
@@ -131,7 +133,7 @@ async def prepare_answer(*, pipeline: QAPipeline, query: QueryIn, tenant: str) -
         key_lines_s += time.perf_counter() - t0
     # choosing this turn's key lines, and finding earlier turns' again
     timings["key_lines_ms"] = key_lines_s * 1000.0
-    return PreparedAnswer(prompt, params, timings, started, tenant, evidence)
+    return PreparedAnswer(prompt, params, timings, started, scope, evidence)
 
 
 def key_lines(
@@ -201,13 +203,13 @@ def _find_evidence(
 
 
 def _read(
-    pipeline: QAPipeline, query: QueryIn, tenant: str
+    pipeline: QAPipeline, query: QueryIn, scope: Scope
 ) -> tuple[list[Turn], RetrievalResult[Chunk]]:
     # One session for everything this question reads: earlier turns, then retrieval.
     with pipeline.sessions() as session:
-        history = history_turns(session=session, query=query, tenant=tenant)
+        history = history_turns(session=session, query=query, tenant=scope.tenant or "")
         found = _retrieve(
-            session=session, pipeline=pipeline, question=query.question, query=query, tenant=tenant
+            session=session, pipeline=pipeline, question=query.question, query=query, scope=scope
         )
     return history, found
 
@@ -282,7 +284,11 @@ async def recover_chunk_ids(
         with pipeline.sessions() as session:
             for question in questions:
                 hits = _retrieve(
-                    session=session, pipeline=pipeline, question=question, query=None, tenant=tenant
+                    session=session,
+                    pipeline=pipeline,
+                    question=question,
+                    query=None,
+                    scope=Scope(tenant),
                 ).hits
                 fresh = [to_source(hit) for hit in hits if hit.chunk_id not in seen]
                 new = [s.chunk_id for s in sorted(fresh, key=lambda s: s.canonical_key)]
@@ -302,9 +308,7 @@ def answer_stream(
     it is cached as public; the sources and the question are cached under the tenant's salt.
     """
     ids = prepared.prompt.token_ids
-    stable = pipeline.prompts.stable_ids
-    public = len(stable) if ids[: len(stable)] == stable else 0
-    cache_scope = CacheScope(namespace=prepared.tenant, num_public_tokens=public)
+    cache_scope = prepared.scope.cache_scope(pipeline.prompts.stable_ids, ids)
     spans = tuple(
         ChunkSpan(start, length, (document_tag(document_id),))
         for start, length, document_id in prepared.prompt.body_spans
@@ -385,7 +389,7 @@ def _retrieve(
     pipeline: QAPipeline,
     question: str,
     query: QueryIn | None,
-    tenant: str,
+    scope: Scope,
 ) -> RetrievalResult[Chunk]:
     settings = pipeline.settings
     top_k = (query.top_k if query else None) or settings.default_top_k
@@ -397,7 +401,5 @@ def _retrieve(
         query=question,
         top_k=top_k,
         candidates=candidates,
-        tenant=tenant,
-        collection=query.collection if query else None,
-        document_ids=query.document_ids if query else None,
+        scope=scope,
     )

@@ -17,7 +17,8 @@ from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import insert_chunk_terms
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.services.index_sync import fail_interrupted
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.lexical.analyzer import Analyzer
 from tests.retrieval.test_lexical import reference_bm25, reference_order
 
@@ -235,9 +236,7 @@ def test_a_scoped_search_never_leaks(
         and tenant in (None, doc.tenant)
         and collection in (None, doc.collection)
     }
-    scores, ids = DatabaseLexicalIndex(sessions, PLAIN).search(
-        query, k, ChunkScope(tenant, collection)
-    )
+    scores, ids = DatabaseLexicalIndex(sessions, PLAIN).search(query, k, Scope(tenant, collection))
     assert set(ids.tolist()) <= allowed
     # and the filter is inside the query: the k best allowed, not the k best then filtered
     expected = reference_bm25(query.split(), chunk_texts(sessions))
@@ -245,7 +244,7 @@ def test_a_scoped_search_never_leaks(
     assert sorted(scores.tolist(), reverse=True) == pytest.approx(best_allowed, rel=1e-5)
     some_doc = next(iter(placed.values()))[0]
     _, ids = DatabaseLexicalIndex(sessions, PLAIN).search(
-        query, k, ChunkScope(tenant, collection, [some_doc])
+        query, k, Scope(tenant, collection, [some_doc])
     )
     assert {placed[i][0] for i in ids.tolist()} <= {some_doc}
     assert set(ids.tolist()) <= allowed

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prefixrag.app.core.models import Chunk, Collection, Document
 from prefixrag.app.services import scopes as scopes_module
-from prefixrag.app.services.scopes import ScopeCache
-from prefixrag.app.services.search import allowed_chunk_ids
+from prefixrag.app.services.scopes import Scope, ScopeCache
+from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.retrieval.id_bitmap import IdBitmap
 from prefixrag.retrieval.vector_index import VectorIndex
 from tests.app.test_lexical_search import Doc, docs_strategy, store
@@ -105,9 +105,7 @@ def test_cached_scopes_stay_exact_and_never_leak(
         with sessions() as session:
             cached = scopes.allowed(session, tenant=tenant, collection=collection)
             fresh = ScopeCache().allowed(session, tenant=tenant, collection=collection)
-            resolved = allowed_chunk_ids(
-                session, scopes=scopes, collection=collection, document_ids=None, tenant=tenant
-            )
+            resolved = Scope(tenant, collection).allowed_ids(session, scopes)
         assert set(cached.ids().tolist()) == truth == set(fresh.ids().tolist())
         # other tenants exist whenever this one is asked about, so a filter always applies
         if any(doc.tenant != tenant for _, doc in placed.values()) or collection is not None:
@@ -143,3 +141,23 @@ def test_a_bitmap_read_during_a_change_is_not_kept(
     with sessions() as session:
         scopes.allowed(session, tenant="a", collection=None)
     assert len(scopes) == 1
+
+
+def test_the_cache_scope_is_public_only_over_the_stable_head_the_prompt_starts_with() -> None:
+    scope = Scope("acme", "manuals", [3, 1])
+    stable = [11, 12, 13]
+    assert scope.cache_scope(stable, [11, 12, 13, 40, 41]) == CacheScope("acme", 3)
+    # a prompt that does not start with the stable head shares nothing unsalted
+    assert scope.cache_scope(stable, [11, 12, 99, 40]).num_public_tokens == 0
+    assert scope.cache_scope(stable, [11, 12]).num_public_tokens == 0
+    # a prompt still to be built on the head (the prefix peek), and a raw prompt with no head
+    assert scope.cache_scope(stable).num_public_tokens == 3
+    assert scope.cache_scope(()) == CacheScope("acme", 0)
+    assert scope.document_ids == (3, 1) and hash(scope) == hash(Scope("acme", "manuals", (3, 1)))
+
+
+def test_the_sql_filter_names_each_set_field_once() -> None:
+    assert Scope().sql_filters() == ("", {})
+    filters, params = Scope("acme", "manuals", [7]).sql_filters()
+    assert filters.count(" AND ") == 3
+    assert params == {"tenant": "acme", "collection": "manuals", "document_ids": [7]}

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 
 from prefixrag.app.core.models import DEFAULT_TENANT
 from prefixrag.app.core.settings import Settings
-from prefixrag.app.services.lexical import ChunkScope, TantivyLexicalIndex
+from prefixrag.app.services.lexical import TantivyLexicalIndex
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.embedder import Embedder
 from prefixrag.retrieval.lexical.tantivy_index import TantivyLexical
 from tests.app.conftest import app_state, make_settings, started
@@ -47,12 +48,10 @@ def test_ingest_and_delete_keep_the_index_equal_to_the_rows(
         _, ids = lexical.search("zebra herd", 10)
         assert ids.size and set(ids.tolist()) <= zebra_chunks
         # a collection filter is applied inside the index
-        assert lexical.search("zebra herd", 10, ChunkScope(collection="one"))[1].size == 0
-        _, ids = lexical.search(
-            "zebra herd", 10, ChunkScope(tenant=DEFAULT_TENANT, collection="two")
-        )
+        assert lexical.search("zebra herd", 10, Scope(collection="one"))[1].size == 0
+        _, ids = lexical.search("zebra herd", 10, Scope(tenant=DEFAULT_TENANT, collection="two"))
         assert set(ids.tolist()) <= zebra_chunks and ids.size
-        assert lexical.search("zebra", 10, ChunkScope(tenant="nobody"))[1].size == 0
+        assert lexical.search("zebra", 10, Scope(tenant="nobody"))[1].size == 0
         assert client.delete(f"/v1/documents/{second.json()['id']}").status_code == 204
         assert set(lexical.ids().tolist()) == chunk_ids(client)
         assert lexical.search("zebra herd", 10)[1].size == 0

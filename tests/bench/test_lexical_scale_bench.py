@@ -14,7 +14,8 @@ from bench import lexical_scale_bench as bench
 from bench.hybrid_bench import fill
 from prefixrag.app.core.db import make_engine, make_sessionmaker, upgrade_db
 from prefixrag.app.core.lexical import SQLITE_TABLE
-from prefixrag.app.services.lexical import ChunkScope, DatabaseLexicalIndex
+from prefixrag.app.services.lexical import DatabaseLexicalIndex
+from prefixrag.app.services.scopes import Scope
 from prefixrag.retrieval.lexical.analyzer import Analyzer
 from prefixrag.retrieval.lexical.terms import fts5_match, index_terms
 
@@ -67,7 +68,7 @@ def test_maxscore_returns_the_exact_top_k(
         lexical = DatabaseLexicalIndex(make_sessionmaker(engine), Analyzer())
         for query in QUERIES:
             ids, info = bench.maxscore(db, index_terms(Analyzer(), query))
-            exact = lexical.search(query, 20, ChunkScope(tenant="a"))[1].tolist()
+            exact = lexical.search(query, 20, Scope(tenant="a"))[1].tolist()
             assert ids == exact, (query, info)
     finally:
         engine.dispose()

@@ -29,7 +29,7 @@ from prefixrag.app.schemas.openai import (
 )
 from prefixrag.app.schemas.sampling import out_of_vocabulary
 from prefixrag.app.services.llm import LLMService
-from prefixrag.engine.kv_cache.cache_scope import CacheScope
+from prefixrag.app.services.scopes import Scope
 from prefixrag.engine.outputs import GenerationDelta
 from prefixrag.engine.sampling.params import SamplingParams
 
@@ -123,7 +123,7 @@ async def _respond(
     tenant: str,
 ) -> Any:
     # a raw prompt has no public part: all of it is cached under the tenant's own salt
-    scope = CacheScope(namespace=tenant)
+    scope = Scope(tenant).cache_scope(stable_ids=())
     streams = [
         llm.generate(prompt_ids, choice_params, cache_scope=scope)
         for choice_params in _per_choice(params, body.n)

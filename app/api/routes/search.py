@@ -7,6 +7,7 @@ from fastapi import APIRouter
 from prefixrag.app.api.deps import RetrieverDep, ScopesDep, SessionDep, TenantDep
 from prefixrag.app.schemas.errors import COMMON_CODES, error_responses
 from prefixrag.app.schemas.search import SearchHitOut, SearchIn, SearchOut
+from prefixrag.app.services.scopes import Scope
 from prefixrag.app.services.search import search
 
 router = APIRouter(prefix="/v1", tags=["search"], responses=error_responses(*COMMON_CODES))
@@ -28,9 +29,7 @@ def search_chunks(
         query=body.query,
         top_k=body.top_k,
         candidates=body.candidates,
-        tenant=tenant,
-        collection=body.collection,
-        document_ids=body.document_ids,
+        scope=Scope(tenant, body.collection, body.document_ids),
     )
     results = [
         SearchHitOut(
