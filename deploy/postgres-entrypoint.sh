@@ -8,7 +8,10 @@ set -euo pipefail
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
   pwfile=$(mktemp)
   printf '%s\n' "$POSTGRES_PASSWORD" >"$pwfile"
-  initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" -A scram-sha-256 >/dev/null
+  # UTF8, as the official image makes it: a minimal base has no locales, and initdb would fall
+  # back to SQL_ASCII, whose text drivers such as psycopg return as bytes
+  initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" -A scram-sha-256 \
+    -E UTF8 --locale=C.UTF-8 >/dev/null
   rm -f "$pwfile"
   echo "host all all all scram-sha-256" >>"$PGDATA/pg_hba.conf"
   if [ "$POSTGRES_DB" != postgres ]; then

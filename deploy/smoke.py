@@ -4,9 +4,10 @@
 
 Starts dockerd if none answers; `up --build -d` and waits for both health checks; uploads a
 document and asks a question with the answer streamed over SSE on 127.0.0.1; restarts the app and
-finds the document again; stops PostgreSQL and expects 503 (not 500), starts it and expects 200
-without an app restart; `down -v` and checks that nothing of the project is left. Standard
-library only, so it runs on the host's python3.
+finds the document and its chunk KV disk tier again; stops PostgreSQL and expects 503 (not 500)
+from requests and from /readyz, starts it and expects 200 without an app restart; `down -v` and
+checks that nothing of the project is left. Standard library only, so it runs on the host's
+python3.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def ask(question: str) -> str:
     raise AssertionError("the stream ended without a done event")
 
 
+def disk_tier_entries() -> float:
+    """The chunk KV disk tier's entries, from /metrics (0 when the gauge is absent)."""
+    status, body = request("GET", "/metrics")
+    assert status == 200, (status, body)
+    for line in body.decode().splitlines():
+        if line.startswith("prefixrag_chunk_store_entries{") and 'tier="disk"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def run(local: bool) -> None:
     ensure_dockerd()
     compose = compose_cmd(local)
@@ -108,7 +119,12 @@ def run(local: bool) -> None:
     try:
         start = time.monotonic()
         sh("build")
-        print(f"built in {time.monotonic() - start:.0f}s", flush=True)
+        size = subprocess.run(
+            ["docker", "image", "inspect", "-f", "{{.Size}}", "prefixrag:latest"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        print(f"built in {time.monotonic() - start:.0f}s; image {int(size) / 2**20:.0f} MiB")
         start = time.monotonic()
         sh("up", "-d")
         wait_for(lambda: healthy(compose, "postgres") and healthy(compose, "app"), 300, "health")
@@ -124,6 +140,7 @@ def run(local: bool) -> None:
         answer = ask("What color was the lighthouse painted?")
         print(f"answer: {answer!r}", flush=True)
 
+        on_disk = disk_tier_entries()
         sh("restart", "app")
         wait_for(lambda: healthy(compose, "app"), 300, "the app after restart")
         status, body = request("GET", f"/v1/documents/{doc_id}")
@@ -131,12 +148,18 @@ def run(local: bool) -> None:
         status, body = request("POST", "/v1/search", {"query": "lighthouse painted red"})
         assert status == 200 and str(doc_id) in body.decode(), (status, body)
         ask("What color was the lighthouse painted?")
+        # the disk tier's entries are files on the data volume, found again by the new process
+        after = disk_tier_entries()
+        print(f"chunk KV disk tier: {on_disk:.0f} entries before the restart, {after:.0f} after")
+        assert after >= on_disk
 
         sh("stop", "postgres")
         status, body = request("GET", "/v1/documents")
         assert status == 503, (status, body)
         print(f"database down: {status} {body.decode()}", flush=True)
-        print(f"/readyz: {request('GET', '/readyz')}", flush=True)
+        status, body = request("GET", "/readyz")
+        assert status == 503 and b'"db":"unavailable' in body, (status, body)
+        print(f"/readyz: {status} {body.decode()[:120]}", flush=True)
         sh("start", "postgres")
         wait_for(lambda: healthy(compose, "postgres"), 120, "postgres")
         wait_for(lambda: request("GET", "/v1/documents")[0] == 200, 60, "the app to reconnect")

@@ -182,7 +182,7 @@ def test_the_images_install_works_alone_outside_the_repo(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env |= {"PATH": f"{venv / 'bin'}:{env['PATH']}", "EXTRAS": ""}
+    env |= {"PATH": f"{venv / 'bin'}:{env['PATH']}", "EXTRAS": "", "WHEELHOUSE": ""}
     for step in steps:
         run = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", step],

@@ -19,7 +19,9 @@ def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets foreign keys on, WAL and a busy timeout for threads."""
     parsed = make_url(url)
     if not parsed.drivername.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
+        # a database that went away fails a request in seconds (a 503), not after TCP's minutes
+        connect_args = {"connect_timeout": 5} if parsed.drivername.startswith("postgresql") else {}
+        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})

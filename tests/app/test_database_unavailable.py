@@ -33,3 +33,19 @@ def test_pool_timeout_is_503() -> None:
     error = sqlalchemy.exc.TimeoutError("QueuePool limit reached")
     response = TestClient(_app(error), raise_server_exceptions=False).get("/v1/documents")
     assert response.status_code == 503
+
+
+def test_readiness_asks_the_database_again(tmp_path) -> None:
+    from prefixrag.app.core.db import make_engine
+    from prefixrag.app.core.settings import Settings
+    from prefixrag.app.state import OK, AppState, ComponentLoader
+
+    state = AppState(Settings(data_dir=tmp_path), loaders=[ComponentLoader("db", lambda _: None)])
+    state.set_status("db", OK)
+    state.engine = make_engine(f"sqlite:///{tmp_path / 'up.db'}")
+    assert state.live_snapshot()["db"] == OK
+    # a PostgreSQL that is gone (nothing listens on port 1): recorded "ok" at start, down now
+    state.engine = make_engine("postgresql+psycopg://nobody@127.0.0.1:1/gone")
+    live = state.live_snapshot()
+    assert live["db"] == "unavailable: OperationalError"
+    assert state.status("db") == OK and not state.ready_in(live)

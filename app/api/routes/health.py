@@ -22,7 +22,7 @@ def healthz() -> dict[str, str]:
 def readyz(state: StateDep) -> JSONResponse:
     """200 with each component's status once ready, else 503 with the same map; the model that
     answers once the LLM is loaded, and with engine replicas, each replica and its state too."""
-    components = state.snapshot()
+    components = state.live_snapshot()  # the database asked now: it may have gone since start
     body: dict[str, Any] = {"components": components}
     if state.llm is not None:
         body["model"] = state.llm.model_id
@@ -32,6 +32,6 @@ def readyz(state: StateDep) -> JSONResponse:
     plan = state.llm.memory_plan() if state.llm is not None else None
     if plan is not None:
         body["memory_plan"] = plan
-    if state.is_ready:
+    if state.ready_in(components):
         return JSONResponse({"status": "ok", **body})
     return JSONResponse({"status": "not ready", **body}, status_code=503)
