@@ -166,36 +166,13 @@ def run(local: bool) -> None:
     finally:
         subprocess.run([*compose, "logs", "--tail", "40", "app"], env=env, cwd=REPO)
         subprocess.run([*compose, "down", "-v"], env=env, cwd=REPO)
-    left = (
+    # containers, volumes and networks that still carry the project's label
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = "".join(
         subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-            capture_output=True,
-            text=True,
+            ["docker", *kind, "-q", "--filter", label], capture_output=True, text=True
         ).stdout
-        + subprocess.run(
-            [
-                "docker",
-                "volume",
-                "ls",
-                "-q",
-                "--filter",
-                f"label=com.docker.compose.project={PROJECT}",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout
-        + subprocess.run(
-            [
-                "docker",
-                "network",
-                "ls",
-                "-q",
-                "--filter",
-                f"label=com.docker.compose.project={PROJECT}",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout
+        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"])
     )
     assert not left.strip(), f"left behind: {left}"
     print("smoke test passed", flush=True)
