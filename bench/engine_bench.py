@@ -75,7 +75,6 @@ from prefixrag.app.core.settings import get_settings, packaged_llm_path
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.kv_cache.cache_scope import CacheScope
 from prefixrag.engine.llm_engine import LLMEngine
-from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.outputs import GenerationResult
 from prefixrag.engine.sampling.params import SamplingParams
 
@@ -150,16 +149,9 @@ def gguf_type_of(path: str) -> str:
 
 
 def build_engine(config: EngineConfig, weight_quant: str, kv_cache_dtype: str) -> LLMEngine:
-    runner = ModelRunner(
-        config.model,
-        block_size=config.block_size,
-        kv_cache_bytes=int(config.kv_cache_gb * 2**30),
-        cache_dir=config.cache_dir,
-        weight_quant=weight_quant,
-        kv_cache_dtype=kv_cache_dtype,
-        int8_activations=config.int8_activations,
+    return LLMEngine(
+        dataclasses.replace(config, weight_quant=weight_quant, kv_cache_dtype=kv_cache_dtype)
     )
-    return LLMEngine(config, runner=runner)
 
 
 def fresh_scope() -> CacheScope:

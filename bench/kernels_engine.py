@@ -59,12 +59,16 @@ def build_runner(config: ModelConfig = LLAMA_31_8B, device: str = "cuda") -> Mod
     return ModelRunner.from_config(
         config,
         synthetic_tokenizer(config.vocab_size),
-        block_size=BLOCK_SIZE,
-        num_blocks=NUM_KV_BLOCKS,
-        device=device,
-        dtype="bfloat16",
-        backend="auto",
-        max_model_len=32768,
+        EngineConfig(
+            model="<random weights>",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_KV_BLOCKS,
+            device=device,
+            dtype="bfloat16",
+            attention_backend="auto",
+            max_model_len=32768,
+            kv_cache_dtype="bfloat16",
+        ),
     )
 
 

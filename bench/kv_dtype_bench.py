@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.kernels import cpu_ops
 
@@ -85,12 +86,14 @@ def decode_figures(context: int, steps: int, repeats: int) -> dict:
     table = list(range(-(-(context + steps * (repeats + 1)) // BLOCK)))
     runners = {
         name: ModelRunner(
-            packaged_llm_path(),
-            num_blocks=len(table),
-            block_size=BLOCK,
-            cache_dir=settings.cache_dir / "models",
-            weight_quant="gguf",
-            kv_cache_dtype=name,
+            EngineConfig(
+                model=str(packaged_llm_path()),
+                num_kv_blocks=len(table),
+                block_size=BLOCK,
+                cache_dir=str(settings.cache_dir / "models"),
+                weight_quant="gguf",
+                kv_cache_dtype=name,
+            )
         )
         for name in DTYPES
     }

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from prefixrag.app.core.settings import get_settings, packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 
 PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
@@ -57,7 +58,14 @@ def main() -> None:
 
     cache_dir = get_settings().cache_dir
     start = time.perf_counter()
-    runner = ModelRunner(packaged_llm_path(), num_blocks=64, cache_dir=cache_dir)
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            num_kv_blocks=64,
+            cache_dir=str(cache_dir),
+            kv_cache_dtype="float32",
+        )
+    )
     load_s = time.perf_counter() - start
     prompt_ids = runner.tokenizer.encode(runner.tokenizer.apply_chat_template(PROMPT))
     directory, name = os.path.split(packaged_llm_path())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+# "reference": the Triton kernels' plain-torch references, for tests (slow); the service's
+# settings do not offer it
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "reference")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

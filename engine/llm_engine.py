@@ -63,13 +63,6 @@ class StepEvent:
     output: GenerationDelta | GenerationResult
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` means CUDA when there is a GPU, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache with radix prefix reuse.
 
@@ -80,22 +73,7 @@ class LLMEngine:
         """``runner``: a prebuilt one (e.g. :meth:`ModelRunner.from_config` for benchmarks);
         then ``config`` only shapes the scheduler, and its model and KV fields are not read."""
         self.config = config
-        self.runner = runner or ModelRunner(
-            config.model,
-            block_size=config.block_size,
-            num_blocks=config.num_kv_blocks,
-            kv_cache_bytes=int(config.kv_cache_gb * 2**30) or None,
-            device=resolve_device(config.device),
-            dtype=config.dtype,
-            kv_cache_dtype=config.kv_cache_dtype,
-            backend=config.attention_backend,
-            cache_dir=config.cache_dir,
-            max_model_len=config.max_model_len,
-            gpu_memory_fraction=config.gpu_memory_fraction,
-            weight_quant=config.weight_quant,
-            int8_activations=config.int8_activations,
-            chunk_host_bytes=config.chunk_host_bytes,
-        )
+        self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.host_tier = HostTier(config.chunk_host_bytes)
         self.disk_tier = self._open_disk_tier()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from prefixrag.engine.chunks.blend import (
     write_entry_kv,
 )
 from prefixrag.engine.chunks.reuse_plan import ReuseHit
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.decode_graphs import (
     Capture,
     CudaGraphCapture,
@@ -141,139 +141,103 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-class ModelRunner:
-    """Loads a Llama-family checkpoint, allocates the KV pool and runs batched steps.
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` means CUDA when there is a GPU, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
-    The pool holds ``num_blocks`` blocks of ``block_size`` tokens; give ``num_blocks`` or a byte
-    budget ``kv_cache_bytes`` (default: 512 MiB on CPU, ``gpu_memory_fraction`` of free memory on
-    CUDA). ``cache_dir`` keeps converted weights and tokenizers so later starts are fast.
-    ``weight_quant`` (``auto``, ``none``, ``int8``, ``gguf``; see
-    :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights are stored: as
-    loaded, per-channel int8, or a GGUF file's own blocks. ``int8_activations`` (True, False or
-    ``auto``) rounds the inputs of block-weight matmuls to int8 (see EngineConfig).
-    ``kv_cache_dtype`` (see :func:`resolve_kv_dtype`; default: the model's dtype) picks the KV
-    cache's storage; on CPU it may be 16-bit under a float32 model (keys and values rounded on
-    store, attention math in float32). :meth:`from_config` builds one with random weights
-    instead (benchmarks).
+
+class ModelRunner:
+    """Loads a Llama-family checkpoint, allocates the KV pool and runs batched steps, as an
+    :class:`EngineConfig` says.
+
+    The pool holds ``num_kv_blocks`` blocks of ``block_size`` tokens; give ``num_kv_blocks`` or
+    a budget ``kv_cache_gb`` (default: sized from available memory on CPU, ``gpu_memory_fraction``
+    of free memory on CUDA). ``cache_dir`` keeps tokenizers so later starts are fast.
+    ``weight_quant`` (see :func:`engine.quant.resolve_weight_quant`) picks how the matmul weights
+    are stored: as loaded, per-channel int8, or a GGUF file's own blocks, mapped.
+    ``int8_activations`` rounds the inputs of block-weight matmuls to int8. ``kv_cache_dtype``
+    (see :func:`resolve_kv_dtype`) picks the KV cache's storage; on CPU it may be 16-bit under a
+    float32 model (keys and values rounded on store, attention math in float32).
+    :meth:`from_config` builds one with random weights instead (benchmarks).
     """
 
     def __init__(
         self,
-        model_path: str | Path,
+        config: EngineConfig,
         *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
-        kv_cache_dtype: str | torch.dtype | None = None,
-        weight_quant: str = "auto",
-        backend: str = "auto",
-        cache_dir: str | Path | None = None,
-        max_model_len: int | None = None,
-        gpu_memory_fraction: float = 0.85,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
-        int8_activations: bool | str = "auto",
-        chunk_host_bytes: int = 0,
         memory_limit_bytes: int | None = None,
     ) -> None:
-        self.model_path = str(model_path)
-        self.cache_dir = cache_dir
+        """The checkpoint ``config.model``, run as ``config`` says (its model, KV, device and
+        chunk host fields; the scheduler's are not read). ``dense_prefill_bytes`` caps the dense
+        copies kept beside GGUF blocks for prefill; ``memory_limit_bytes`` stands in for the
+        host's available memory in the memory plan (tests, benchmarks)."""
+        self.model_path = config.model
+        self.cache_dir = config.cache_dir
         self._tokenizer: Tokenizer | None = None
-        source = check_checkpoint(model_path)
-        run_device = torch.device(device)
-        run_dtype = resolve_dtype(dtype, run_device)
-        quant = resolve_weight_quant(weight_quant, run_device, run_dtype, self.model_path)
+        source = check_checkpoint(config.model)
+        run_device = resolve_device(config.device)
+        run_dtype = resolve_dtype(config.dtype, run_device)
+        quant = resolve_weight_quant(config.weight_quant, run_device, run_dtype, self.model_path)
         weights: dict[str, torch.Tensor] | MappedGGUF
         if quant == "gguf":
             if source.is_dir():
                 raise ValueError(f"weight_quant gguf needs a .gguf checkpoint, not {source}")
             # the file's blocks, mapped: nothing widened to float32 but norms and biases
             weights = map_gguf(source)
-            config = weights.config
+            model_config = weights.config
         else:
-            config, weights = load_checkpoint(source, run_dtype)
+            model_config, weights = load_checkpoint(source, run_dtype)
         self._setup(
-            config,
+            model_config,
             weights,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            weight_quant=weight_quant,
-            backend=backend,
-            max_model_len=max_model_len,
-            gpu_memory_fraction=gpu_memory_fraction,
+            config,
             dense_prefill_bytes=dense_prefill_bytes,
-            int8_activations=int8_activations,
-            chunk_host_bytes=chunk_host_bytes,
             memory_limit_bytes=memory_limit_bytes,
         )
 
     @classmethod
     def from_config(
         cls,
-        config: ModelConfig,
+        model_config: ModelConfig,
         tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
         *,
         seed: int = 0,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype | None = None,
-        kv_cache_dtype: str | torch.dtype | None = None,
-        weight_quant: str = "auto",
-        backend: str = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_fraction: float = 0.85,
     ) -> ModelRunner:
-        """A runner of the shape ``config`` with random weights (norms one, the rest
-        N(0, 0.02) from ``seed``), made on the device directly; nothing is read from disk."""
+        """A runner of the shape ``model_config`` with random weights (norms one, the rest
+        N(0, 0.02) from ``seed``), made on the device directly; nothing is read from disk, and
+        ``config.model`` only names the runner. The chunk host tier is not planned for."""
+        config = config or EngineConfig(model="<random weights>")
         runner = cls.__new__(cls)
         runner.model_path = f"<random weights, seed {seed}>"
         runner.cache_dir = None
         runner._tokenizer = tokenizer
-        runner._setup(
-            config,
-            None,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            weight_quant=weight_quant,
-            backend=backend,
-            max_model_len=max_model_len,
-            gpu_memory_fraction=gpu_memory_fraction,
-            seed=seed,
-        )
+        unplanned = dataclasses.replace(config, chunk_host_bytes=0)
+        runner._setup(model_config, None, unplanned, seed=seed)
         return runner
 
     def _setup(
         self,
         config: ModelConfig,
         tensors: dict[str, torch.Tensor] | MappedGGUF | None,
+        engine: EngineConfig,
         *,
-        block_size: int,
-        num_blocks: int | None,
-        kv_cache_bytes: int | None,
-        device: str | torch.device,
-        dtype: str | torch.dtype | None,
-        kv_cache_dtype: str | torch.dtype | None,
-        weight_quant: str,
-        backend: str,
-        max_model_len: int | None,
-        gpu_memory_fraction: float,
         seed: int = 0,
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
-        int8_activations: bool | str = "auto",
-        chunk_host_bytes: int = 0,
         memory_limit_bytes: int | None = None,
     ) -> None:
+        # the fields this runner reads, under the names the code below uses
+        block_size, num_blocks = engine.block_size, engine.num_kv_blocks
+        kv_cache_bytes = int(engine.kv_cache_gb * 2**30) or None
+        gpu_memory_fraction = engine.gpu_memory_fraction
+        chunk_host_bytes = engine.chunk_host_bytes
+        device, dtype = resolve_device(engine.device), engine.dtype
+        weight_quant, backend = engine.weight_quant, engine.attention_backend
+        max_model_len, kv_cache_dtype = engine.max_model_len, engine.kv_cache_dtype
+        int8_activations = engine.int8_activations
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not 0 < gpu_memory_fraction <= 1:

@@ -198,6 +198,7 @@ def test_the_service_fetches_at_first_start_and_reads_the_cache_after(
 
     from prefixrag.app.core.settings import Settings
     from prefixrag.app.services.llm import engine_config_from_settings
+    from prefixrag.engine.config import EngineConfig
     from prefixrag.engine.model_runner import ModelRunner
 
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -207,7 +208,7 @@ def test_the_service_fetches_at_first_start_and_reads_the_cache_after(
     assert Path(first).read_bytes() == model_bytes
     hub.stop()
     assert engine_config_from_settings(settings).model == first
-    runner = ModelRunner(first, num_blocks=4)
+    runner = ModelRunner(EngineConfig(model=str(first), num_kv_blocks=4, kv_cache_dtype="float32"))
     assert runner.model_config.architecture == "qwen2"
 
 

@@ -26,13 +26,17 @@ def _runner(device: str = "cpu", backend: str = "reference", dtype: str = "float
     return ModelRunner.from_config(
         CONFIG,
         synthetic_tokenizer(CONFIG.vocab_size),
+        EngineConfig(
+            model="<random weights>",
+            num_kv_blocks=64,
+            block_size=BLOCK_SIZE,
+            device=device,
+            dtype=dtype,
+            attention_backend=backend,
+            max_model_len=256,
+            kv_cache_dtype=dtype,
+        ),
         seed=5,
-        num_blocks=64,
-        block_size=BLOCK_SIZE,
-        device=device,
-        dtype=dtype,
-        backend=backend,
-        max_model_len=256,
     )
 
 

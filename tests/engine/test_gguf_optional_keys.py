@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.tokenizer import Tokenizer, _byte_level_decoder
@@ -179,7 +180,15 @@ def config_of(path: str) -> ModelConfig:
 
 
 def prompt_logits(path: str, weight_quant: str = "none") -> tuple[torch.Tensor, list[int]]:
-    runner = ModelRunner(path, block_size=4, num_blocks=16, weight_quant=weight_quant)
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(path),
+            block_size=4,
+            num_kv_blocks=16,
+            weight_quant=weight_quant,
+            kv_cache_dtype="float32",
+        )
+    )
     ids = torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(1)).tolist()
     return runner.run([StepItem(ids, 0, list(range(15, 9, -1)), True)], all_logits=True), ids
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem, resolve_kv_dtype
 from prefixrag.engine.native_decode import native_decode_stack
 from tests.engine.llm_fixtures import make_engine
@@ -27,12 +28,14 @@ def runners(request: pytest.FixtureRequest) -> dict[str, ModelRunner]:
     cache_dir = request.config.cache.mkdir("prefixrag-engine-models")
     return {
         name: ModelRunner(
-            packaged_llm_path(),
-            num_blocks=len(TABLE),
-            cache_dir=cache_dir,
-            weight_quant="gguf",
-            backend=backend,
-            kv_cache_dtype=kv,
+            EngineConfig(
+                model=str(packaged_llm_path()),
+                num_kv_blocks=len(TABLE),
+                cache_dir=str(cache_dir),
+                weight_quant="gguf",
+                attention_backend=backend,
+                kv_cache_dtype=kv,
+            )
         )
         for name, backend, kv in (
             ("float32", "native", "float32"),

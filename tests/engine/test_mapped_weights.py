@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.memory_plan import MemoryPlan, MemoryPlanError
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.weights import map_gguf
@@ -108,13 +109,20 @@ def test_k_quant_matrices_are_views_of_the_file(qwen2_gguf):
 
 def test_mapped_model_gives_the_float32_loads_logits(qwen2_gguf):
     mapped = ModelRunner(
-        qwen2_gguf,
-        num_blocks=16,
-        weight_quant="gguf",
+        EngineConfig(
+            model=str(qwen2_gguf),
+            num_kv_blocks=16,
+            weight_quant="gguf",
+            int8_activations=False,
+            kv_cache_dtype="float32",
+        ),
         dense_prefill_bytes=0,
-        int8_activations=False,
     )
-    dense = ModelRunner(qwen2_gguf, num_blocks=16, weight_quant="none")
+    dense = ModelRunner(
+        EngineConfig(
+            model=str(qwen2_gguf), num_kv_blocks=16, weight_quant="none", kv_cache_dtype="float32"
+        )
+    )
     attn = mapped.model.layers[0].attn
     assert isinstance(attn.qkv_weight, BlockStack)  # Q4_K q, k beside a Q6_K v
     assert [p.kind for p in attn.qkv_weight.parts] == ["q4_k", "q4_k", "q6_k"]
@@ -153,7 +161,14 @@ def test_int8_activations_on_file_rows_agree_between_the_c_step_and_torch(qwen2_
         ("f32", "native", False),
     ):
         runner = ModelRunner(
-            qwen2_gguf, num_blocks=16, weight_quant="gguf", backend=backend, int8_activations=q8
+            EngineConfig(
+                model=str(qwen2_gguf),
+                num_kv_blocks=16,
+                weight_quant="gguf",
+                attention_backend=backend,
+                int8_activations=q8,
+                kv_cache_dtype="float32",
+            )
         )
         assert runner.int8_activations == q8
         runs[name] = _decode_logits(runner, prompt, 6)
@@ -179,7 +194,14 @@ def test_int8_activations_on_file_rows_agree_between_the_c_step_and_torch(qwen2_
 
 
 def test_nothing_is_written_for_the_weights(qwen2_gguf, tmp_path):
-    ModelRunner(qwen2_gguf, num_blocks=4, cache_dir=tmp_path)
+    ModelRunner(
+        EngineConfig(
+            model=str(qwen2_gguf),
+            num_kv_blocks=4,
+            cache_dir=str(tmp_path),
+            kv_cache_dtype="float32",
+        )
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -210,8 +232,15 @@ def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
 
 def test_a_model_that_cannot_fit_is_refused_before_its_pool(qwen2_gguf):
     with pytest.raises(MemoryPlanError, match=r"does not fit.*PREFIXRAG_KV_CACHE_GB"):
-        ModelRunner(qwen2_gguf, kv_cache_bytes=1 << 30, memory_limit_bytes=256 << 20)
-    runner = ModelRunner(qwen2_gguf, memory_limit_bytes=2 << 30)
+        ModelRunner(
+            EngineConfig(
+                model=str(qwen2_gguf), kv_cache_gb=(1 << 30) / 2**30, kv_cache_dtype="float32"
+            ),
+            memory_limit_bytes=256 << 20,
+        )
+    runner = ModelRunner(
+        EngineConfig(model=str(qwen2_gguf), kv_cache_dtype="float32"), memory_limit_bytes=2 << 30
+    )
     plan = runner.memory_plan
     assert plan.kv_pool == runner.num_blocks * runner.block_size * runner.kv_bytes_per_token
     assert plan.weights_mapped > 0 and plan.total <= plan.available
@@ -230,6 +259,7 @@ def test_the_kv_pool_takes_what_is_left():
 _PEAK_RSS = """
 import sys
 import torch
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner
 
 def hwm():
@@ -238,7 +268,7 @@ def hwm():
             return int(line.split()[1]) * 1024
 
 before = hwm()
-ModelRunner(sys.argv[1], num_blocks=8, dense_prefill_bytes=0)
+ModelRunner(EngineConfig(model=sys.argv[1], num_kv_blocks=8), dense_prefill_bytes=0)
 print(before, hwm())
 """
 

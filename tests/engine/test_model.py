@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from prefixrag.app.core.settings import packaged_llm_path
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 
 ATOL = RTOL = 2e-4  # fp32 on both sides; only summation order may differ
@@ -34,11 +35,14 @@ def runner(request) -> ModelRunner:
     # "gguf" keeps the file's own Q4_1/Q8_0 blocks: the same matrices, read by the block kernel.
     cache_dir = request.config.cache.mkdir("prefixrag-engine-models")
     return ModelRunner(
-        packaged_llm_path(),
-        block_size=8,
-        num_blocks=64,
-        cache_dir=cache_dir,
-        weight_quant=request.param,
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            block_size=8,
+            num_kv_blocks=64,
+            cache_dir=str(cache_dir),
+            weight_quant=request.param,
+            kv_cache_dtype="float32",
+        )
     )
 
 
@@ -147,7 +151,9 @@ def test_tiny_hf_checkpoints_match_transformers(kind, tmp_path):
     reference = TINY_MODELS[kind]().eval()
     _randomize(reference)
     reference.save_pretrained(tmp_path)
-    runner = ModelRunner(tmp_path, block_size=4, num_blocks=32)
+    runner = ModelRunner(
+        EngineConfig(model=str(tmp_path), block_size=4, num_kv_blocks=32, kv_cache_dtype="float32")
+    )
     ids = torch.randint(0, COMMON["vocab_size"], (40,), generator=torch.Generator().manual_seed(1))
     ids = ids.tolist()
     blocks = list(range(31, 19, -1))

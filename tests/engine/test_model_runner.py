@@ -12,6 +12,7 @@ from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.attention.factory import make_backend
 from prefixrag.engine.attention.metadata import SeqSpan, build_attention_metadata
 from prefixrag.engine.attention.torch_backend import TorchAttention
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem, num_blocks_for_budget
 
 TEXT = (
@@ -23,7 +24,15 @@ TEXT = (
 @pytest.fixture(scope="module")
 def runner(request) -> ModelRunner:
     cache_dir = request.config.cache.mkdir("prefixrag-engine-models")
-    return ModelRunner(packaged_llm_path(), block_size=8, num_blocks=48, cache_dir=cache_dir)
+    return ModelRunner(
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            block_size=8,
+            num_kv_blocks=48,
+            cache_dir=str(cache_dir),
+            kv_cache_dtype="float32",
+        )
+    )
 
 
 def test_chunked_prefill_matches_one_prefill(runner):
@@ -169,13 +178,16 @@ def test_native_attention_routes_every_extend_and_matches_the_reference(decode_l
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_runner_matches_torch_runner_on_cuda(runner):
     gpu = ModelRunner(
-        packaged_llm_path(),
-        block_size=16,
-        num_blocks=32,
-        device="cuda",
-        dtype="float32",
-        backend="triton",
-        cache_dir=runner.cache_dir,
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            block_size=16,
+            num_kv_blocks=32,
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            cache_dir=str(runner.cache_dir),
+            kv_cache_dtype="float32",
+        )
     )
     ids = runner.tokenizer.encode(TEXT)
     expected = runner.run([StepItem(ids[:-1], 0, list(range(6)), True)], all_logits=True)

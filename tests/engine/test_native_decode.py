@@ -16,13 +16,16 @@ BLOCK = 8
 
 def _runner(cache_dir, backend: str, weight_quant: str, q8: bool = False) -> ModelRunner:
     return ModelRunner(
-        packaged_llm_path(),
-        block_size=BLOCK,
-        num_blocks=128,
-        cache_dir=cache_dir,
-        weight_quant=weight_quant,
-        backend=backend,
-        int8_activations=q8,
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            block_size=BLOCK,
+            num_kv_blocks=128,
+            cache_dir=str(cache_dir),
+            weight_quant=weight_quant,
+            attention_backend=backend,
+            int8_activations=q8,
+            kv_cache_dtype="float32",
+        )
     )
 
 
@@ -161,7 +164,15 @@ def test_int8_activations_is_a_bool_or_auto_and_in_the_cache_fingerprint(runners
         with pytest.raises(ValueError, match="int8_activations"):
             EngineConfig(model="random", int8_activations=bad)  # type: ignore[arg-type]
     # auto leaves the packaged model's Q4_1 / Q8_0 planes in float32
-    auto = ModelRunner(packaged_llm_path(), block_size=BLOCK, num_blocks=8, weight_quant="gguf")
+    auto = ModelRunner(
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            block_size=BLOCK,
+            num_kv_blocks=8,
+            weight_quant="gguf",
+            kv_cache_dtype="float32",
+        )
+    )
     assert not auto.int8_activations
     # KV written with int8 activations is not reused by an engine without them, and back
     config = EngineConfig(model=packaged_llm_path(), block_size=BLOCK)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine import packed_gemm, quant
+from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.packed_gemm import PackedWeight, pack_weight, packed_linear
 from prefixrag.kernels.block_quant_matmul import BlockQuantWeight
@@ -82,7 +83,13 @@ def test_without_onednn_the_plain_matrix_runs_f_linear(monkeypatch):
 def test_gguf_prefill_through_packed_weights_matches_the_unpacked_blocks(request, monkeypatch):
     monkeypatch.setattr(quant, "bf16_prefill", lambda: False)  # float32 on both sides
     runner = ModelRunner(
-        packaged_llm_path(), num_blocks=8, weight_quant="gguf", cache_dir=model_cache_dir(request)
+        EngineConfig(
+            model=str(packaged_llm_path()),
+            num_kv_blocks=8,
+            weight_quant="gguf",
+            cache_dir=str(model_cache_dir(request)),
+            kv_cache_dtype="float32",
+        )
     )
     blocks = [  # the matmul weights (the embedding table is read row by row, never packed)
         v

@@ -135,7 +135,14 @@ def runners(request) -> dict[str, ModelRunner]:
     cache_dir = model_cache_dir(request)
     return {
         q: ModelRunner(
-            packaged_llm_path(), block_size=8, num_blocks=64, cache_dir=cache_dir, weight_quant=q
+            EngineConfig(
+                model=str(packaged_llm_path()),
+                block_size=8,
+                num_kv_blocks=64,
+                cache_dir=str(cache_dir),
+                weight_quant=q,
+                kv_cache_dtype="float32",
+            )
         )
         for q in ("none", "int8")
     }
@@ -191,15 +198,9 @@ def _int8_engine(request, *, enable_prefix_cache: bool) -> LLMEngine:
         max_num_seqs=8,
         enable_prefix_cache=enable_prefix_cache,
         weight_quant="int8",
+        kv_cache_dtype="float32",
     )
-    runner = ModelRunner(
-        config.model,
-        block_size=config.block_size,
-        num_blocks=config.num_kv_blocks,
-        cache_dir=config.cache_dir,
-        weight_quant=config.weight_quant,
-    )
-    return LLMEngine(config, runner=runner)
+    return LLMEngine(config)
 
 
 def _has_avx512() -> bool:
@@ -241,7 +242,11 @@ def test_gguf_weight_quant_needs_cpu_float32_and_a_gguf_file(tmp_path):
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"needs a \.gguf checkpoint"):
-        ModelRunner(tmp_path, num_blocks=4, weight_quant="gguf")
+        ModelRunner(
+            EngineConfig(
+                model=str(tmp_path), num_kv_blocks=4, weight_quant="gguf", kv_cache_dtype="float32"
+            )
+        )
 
 
 def test_a_matrix_wider_than_the_kernel_is_refused_by_name(monkeypatch):

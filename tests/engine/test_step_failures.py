@@ -29,7 +29,15 @@ PARAMS = [GREEDY, SEEDED, TARGET]
 def _engine() -> LLMEngine:
     config = ModelConfig("llama", 2, 64, 128, 4, 2, 16, VOCAB, 512)
     runner = ModelRunner.from_config(
-        config, synthetic_tokenizer(VOCAB), seed=3, num_blocks=32, backend="torch"
+        config,
+        synthetic_tokenizer(VOCAB),
+        EngineConfig(
+            model="<random weights>",
+            num_kv_blocks=32,
+            attention_backend="torch",
+            kv_cache_dtype="float32",
+        ),
+        seed=3,
     )
     return LLMEngine(EngineConfig(model="random", num_kv_blocks=32), runner=runner)
 

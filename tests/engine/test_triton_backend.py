@@ -53,7 +53,17 @@ def test_random_weight_runner_with_kernel_references_matches_torch():
     # (attention, fused norm, RoPE) must agree with the torch path on its weights too.
     config = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 300, 512)
     runners = [
-        ModelRunner.from_config(config, synthetic_tokenizer(300), seed=3, num_blocks=8, backend=b)
+        ModelRunner.from_config(
+            config,
+            synthetic_tokenizer(300),
+            EngineConfig(
+                model="<random weights>",
+                num_kv_blocks=8,
+                attention_backend=b,
+                kv_cache_dtype="float32",
+            ),
+            seed=3,
+        )
         for b in ("torch", "reference")
     ]
     for a, b in zip(runners[0].model.parameters(), runners[1].model.parameters(), strict=True):
@@ -115,13 +125,16 @@ def _bf16_runs(request, device: str, backend: str) -> dict[str, list[torch.Tenso
     prompt that extends 2 cached blocks of the first."""
     runners = {
         name: ModelRunner(
-            packaged_llm_path(),
-            block_size=BLOCK_SIZE,
-            num_blocks=16,
-            device=device,
-            dtype=dtype,
-            backend=kind,
-            cache_dir=model_cache_dir(request),
+            EngineConfig(
+                model=str(packaged_llm_path()),
+                block_size=BLOCK_SIZE,
+                num_kv_blocks=16,
+                device=device,
+                dtype=dtype,
+                attention_backend=kind,
+                cache_dir=str(model_cache_dir(request)),
+                kv_cache_dtype=dtype,
+            )
         )
         for name, dtype, kind in (
             ("fp32", "float32", "torch"),
