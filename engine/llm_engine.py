@@ -7,13 +7,11 @@ import logging
 import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from prefixrag.engine.chunks.disk_tier import DiskTier
-from prefixrag.engine.chunks.host_tier import HostTier, TierEntry
-from prefixrag.engine.chunks.store import ChunkEntry, ChunkSpan
+from prefixrag.engine.chunks.store import ChunkSpan
+from prefixrag.engine.chunks.tiers import ChunkTiers
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.detokenizer import IncrementalDetokenizer
 from prefixrag.engine.kv_cache.cache_scope import CacheScope
@@ -75,16 +73,22 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
-        self.host_tier = HostTier(config.chunk_host_bytes)
-        self.disk_tier = self._open_disk_tier()
+        # the disk tier only where chunk reuse runs at all (it needs the prefix cache)
+        reuse = config.enable_chunk_reuse and config.enable_prefix_cache
+        self.chunk_tiers = ChunkTiers(
+            self.runner,
+            host_bytes=config.chunk_host_bytes,
+            disk_dir=config.chunk_disk_dir if reuse else None,
+            disk_bytes=config.chunk_disk_bytes,
+            fingerprint=self.runner.kv_fingerprint(),
+        )
         self.scheduler = Scheduler(
             config,
             self.runner.num_blocks,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.runner.max_model_len,
-            model=self._model_fingerprint()["model"],
-            chunk_loader=self._load_chunk,
-            on_chunk_evict=self._spill_chunk,
+            model=str(self.runner.kv_fingerprint()["model"]),
+            chunk_tiers=self.chunk_tiers,
         )
         self.blended_tokens = 0  # reused chunk tokens not recomputed, since start
         self.recomputed_tokens = 0  # reused chunk tokens recomputed by blending, since start
@@ -163,16 +167,13 @@ class LLMEngine:
     def drop_chunks(self, namespace: str, tag: str) -> int:
         """Forget every cached chunk body of ``namespace`` tagged ``tag`` (a deleted document),
         in every tier; returns how many entries went."""
-        dropped = self.scheduler.chunks.drop_tag(namespace, tag)
-        dropped += self.host_tier.drop_tag(namespace, tag)
-        if self.disk_tier is not None:
-            dropped += self.disk_tier.drop_tag(namespace, tag)
-        return dropped
+        return self.scheduler.chunks.drop_tag(namespace, tag) + self.chunk_tiers.drop_tag(
+            namespace, tag
+        )
 
     def close(self) -> None:
         """Finish pending disk-tier writes."""
-        if self.disk_tier is not None:
-            self.disk_tier.close()
+        self.chunk_tiers.close()
 
     def step(self) -> list[StepEvent]:
         """Run one scheduling step and return what it produced."""
@@ -199,7 +200,7 @@ class LLMEngine:
                 self.abort(seq_id)
             raise StepFailedError(exc, seq_ids, events) from exc
         try:
-            self._capture_chunks(out)
+            self.chunk_tiers.capture(out.seqs)
         except Exception:  # keeping bodies for later is an optimization: never fail a request
             logger.exception("could not keep this step's source bodies in the chunk store")
         if unsampled is not None:
@@ -240,8 +241,7 @@ class LLMEngine:
     def cache_stats(self) -> dict[str, int]:
         """Prefix-cache and chunk-store counters and KV block occupancy."""
         cache, pool = self.scheduler.cache, self.scheduler.blocks.block_pool
-        chunks, host = self.scheduler.chunks, self.host_tier
-        disk = self.disk_tier.stats() if self.disk_tier is not None else {}
+        chunks = self.scheduler.chunks
         return {
             "chunk_hits": chunks.hits,
             "chunk_misses": chunks.misses,
@@ -252,14 +252,7 @@ class LLMEngine:
             "chunk_pool_bytes": chunks.num_blocks
             * self.runner.block_size
             * self.runner.kv_bytes_per_token,
-            "chunk_host_entries": host.num_entries,
-            "chunk_host_bytes": host.bytes,
-            "chunk_host_hits": host.hits,
-            "chunk_host_evictions": host.evictions,
-            "chunk_disk_files": int(disk.get("num_files", 0)),
-            "chunk_disk_bytes": int(disk.get("bytes", 0)),
-            "chunk_disk_hits": int(disk.get("hits", 0)),
-            "chunk_disk_corrupt": int(disk.get("corrupt", 0)),
+            **self.chunk_tiers.stats(),
             "blended_tokens": self.blended_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             "queried_tokens": cache.queried_tokens,
@@ -316,104 +309,6 @@ class LLMEngine:
         self.blended_tokens += num_blended
         self.recomputed_tokens += num_recomputed
         return logits[0]
-
-    # -- the chunk store's tiers ----------------------------------------------------------
-
-    def _capture_chunks(self, out: SchedulerOutput) -> None:
-        # A prompt whose prefill just ended has the KV of every body it names: keep the bodies
-        # the store lacks, at the position they had here.
-        store = self.scheduler.chunks
-        if not store.enabled:
-            return
-        for item in out.seqs:
-            seq = item.seq
-            if (
-                not seq.chunk_spans
-                or not item.start_pos < seq.num_prompt_tokens <= item.context_len
-            ):
-                continue
-            namespace = seq.cache_scope.namespace
-            for span in seq.chunk_spans:
-                body = seq.token_ids[span.start : span.end]
-                if store.lookup(namespace, body, count=False) is not None:
-                    continue
-                entry = store.insert(namespace, body, base_pos=span.start, tags=span.tags)
-                if entry is None:
-                    return  # the pool is full of live sequences: no reuse, never an error
-                self.runner.copy_chunk(item.block_ids, span.start, span.length, entry.block_ids)
-                if self.disk_tier is not None:
-                    k, v = self.runner.read_chunk(entry.block_ids, entry.num_tokens)
-                    # read_chunk made fresh copies: the tier may keep them as they are
-                    self.disk_tier.put(
-                        entry.key,
-                        namespace,
-                        entry.token_ids,
-                        entry.base_pos,
-                        entry.tags,
-                        k,
-                        v,
-                        copy=False,
-                    )
-
-    def _spill_chunk(self, entry: ChunkEntry) -> None:
-        # evicted from the pool: keep it in host memory while the tier has room
-        if self.host_tier.max_bytes == 0:
-            return
-        k, v = self.runner.read_chunk(entry.block_ids, entry.num_tokens)
-        tier_entry = TierEntry(entry.namespace, entry.token_ids, entry.base_pos, entry.tags, k, v)
-        self.host_tier.put(entry.key, tier_entry)
-
-    def _load_chunk(
-        self, namespace: str, body: tuple[int, ...], span: ChunkSpan
-    ) -> ChunkEntry | None:
-        # a body the pool lacks: from host memory, else from disk, back into pool blocks
-        store = self.scheduler.chunks
-        key = store.key_for(namespace, body)
-        found = self.host_tier.take(key, namespace, body)
-        if found is None and self.disk_tier is not None:
-            on_disk = self.disk_tier.get(key, namespace, body)
-            if on_disk is not None:
-                base_pos, k, v, tags = on_disk
-                found = TierEntry(namespace, body, base_pos, tags, k, v)
-        if found is None:
-            return None
-        tags = tuple(dict.fromkeys((*found.tags, *span.tags)))
-        entry = store.insert(namespace, body, base_pos=found.base_pos, tags=tags)
-        if entry is None:
-            return None
-        self.runner.write_chunk(entry.block_ids, found.k, found.v)
-        return entry
-
-    def _model_fingerprint(self) -> dict[str, str | int]:
-        runner = self.runner
-        config = runner.model_config
-        fingerprint: dict[str, str | int] = {
-            "model": f"{runner.model_path}|{runner.weight_quant}",
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "block_size": runner.block_size,
-            "num_layers": config.num_layers,
-            "num_kv_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-        }
-        # only when it differs, so that caches written with the KV in the model's dtype keep
-        # their fingerprint (and their files)
-        if runner.kv_dtype != runner.dtype:
-            fingerprint["kv_dtype"] = str(runner.kv_dtype).removeprefix("torch.")
-        if runner.int8_activations:  # short prefills' KV differs in the last bits
-            fingerprint["activations"] = "int8"
-        return fingerprint
-
-    def _open_disk_tier(self) -> DiskTier | None:
-        config = self.config
-        if not config.chunk_disk_dir or not (
-            config.enable_chunk_reuse and config.enable_prefix_cache
-        ):
-            return None
-        return DiskTier(
-            Path(config.chunk_disk_dir),
-            fingerprint=self._model_fingerprint(),
-            max_bytes=config.chunk_disk_bytes,
-        )
 
     def _on_token(
         self, req: _Request, token_id: int, logprob: TokenLogprob | None, now: float

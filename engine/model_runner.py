@@ -375,6 +375,26 @@ class ModelRunner:
             budget_bytes, block_size=self.block_size, kv_bytes_per_token=self.kv_bytes_per_token
         )
 
+    def kv_fingerprint(self) -> dict[str, str | int]:
+        """What makes this runner's KV what it is: KV saved by a runner of another fingerprint
+        (the chunk disk tier's files) is not valid here."""
+        config = self.model_config
+        fingerprint: dict[str, str | int] = {
+            "model": f"{self.model_path}|{self.weight_quant}",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block_size": self.block_size,
+            "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+        }
+        # only when it differs, so that caches written with the KV in the model's dtype keep
+        # their fingerprint (and their files)
+        if self.kv_dtype != self.dtype:
+            fingerprint["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
+        if self.int8_activations:  # short prefills' KV differs in the last bits
+            fingerprint["activations"] = "int8"
+        return fingerprint
+
     @property
     def tokenizer(self) -> Tokenizer:
         """The checkpoint's tokenizer (loaded on first use, cached under ``cache_dir``)."""

@@ -3,10 +3,11 @@ and the reuse plan of each admitted prompt's cached chunk bodies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import Protocol
 
 from prefixrag.engine.chunks.reuse_plan import ReuseHit, ReusePlan
 from prefixrag.engine.chunks.store import ChunkEntry, ChunkSpan, ChunkStore
@@ -15,8 +16,18 @@ from prefixrag.engine.kv_cache.block_manager import BlockManager
 from prefixrag.engine.kv_cache.radix_cache import HashFn, RadixCache, block_key
 from prefixrag.engine.sequence import Sequence, SequenceStatus
 
-# (namespace, body token ids, span) -> an entry now in the store, from a slower tier, or None
-ChunkLoader = Callable[[str, tuple[int, ...], ChunkSpan], ChunkEntry | None]
+
+class ChunkTierHooks(Protocol):
+    """The chunk store's slower tiers, as the scheduler meets them (engine/chunks/tiers.py)."""
+
+    def attach(self, store: ChunkStore) -> None:
+        """The store the tiers serve: this scheduler's."""
+
+    def spill(self, entry: ChunkEntry) -> None:
+        """``entry`` is about to leave the pool (evicted)."""
+
+    def load(self, namespace: str, body: tuple[int, ...], span: ChunkSpan) -> ChunkEntry | None:
+        """A body the pool lacks, now in the store from a slower tier, or None."""
 
 
 @dataclass(slots=True)
@@ -108,8 +119,7 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         hash_fn: HashFn = block_key,
         model: str = "",
-        chunk_loader: ChunkLoader | None = None,
-        on_chunk_evict: Callable[[ChunkEntry], None] | None = None,
+        chunk_tiers: ChunkTierHooks | None = None,
     ) -> None:
         num_blocks = config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
         if num_blocks is None:
@@ -123,10 +133,12 @@ class Scheduler:
             enable_prefix_cache=config.enable_prefix_cache,
             enable_chunk_reuse=config.enable_chunk_reuse,
             model=model,
-            on_chunk_evict=on_chunk_evict,
+            on_chunk_evict=chunk_tiers.spill if chunk_tiers is not None else None,
             hash_fn=hash_fn,
         )
-        self.chunk_loader = chunk_loader
+        self.chunk_tiers = chunk_tiers
+        if chunk_tiers is not None:
+            chunk_tiers.attach(self.chunks)
         self._plans: dict[int, ReusePlan] = {}  # by seq id, from admission to postprocess
         self._decode_items: dict[int, ScheduledSeq] = {}  # by seq id, while it runs
         # the longest a sequence may grow: the pool, config.max_model_len, the model's own limit
@@ -330,8 +342,8 @@ class Scheduler:
                 continue
             body = tuple(seq.token_ids[span.start : span.end])
             entry = store.lookup(namespace, body)
-            if entry is None and self.chunk_loader is not None:
-                entry = self.chunk_loader(namespace, body, span)
+            if entry is None and self.chunk_tiers is not None:
+                entry = self.chunk_tiers.load(namespace, body, span)
             if entry is None:
                 continue
             store.acquire(entry)

@@ -5,5 +5,7 @@
 - ``reuse_plan``: which spans of a prompt a step takes from the store (no torch);
 - ``blend``: placing an entry's KV at a new position (re-rotated keys) and recomputing the
   fraction of tokens that re-attends to the new prefix;
-- ``host_tier`` and ``disk_tier``: where evicted entries spill, and are loaded back from.
+- ``host_tier`` and ``disk_tier``: where evicted entries spill, and are loaded back from;
+- ``tiers``: :class:`ChunkTiers`, the one object the scheduler is handed: it spills, loads and
+  captures entries across the pool and both tiers.
 """

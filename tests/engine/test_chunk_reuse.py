@@ -204,9 +204,9 @@ def test_evicted_bodies_come_back_from_host_memory(request: pytest.FixtureReques
     run(engine, *first)
     # another tenant's prompt needs the pool: the bodies are evicted to host memory
     run(engine, *build(engine, ["loire", "danube", "rhine"], "Which is longest?"), namespace="b")
-    assert engine.host_tier.num_entries >= 1
+    assert engine.chunk_tiers.host.num_entries >= 1
     warm = run(engine, *second)
-    assert engine.host_tier.hits >= 1 and warm.recomputed_tokens > 0
+    assert engine.chunk_tiers.host.hits >= 1 and warm.recomputed_tokens > 0
     run(reference, *first)
     assert warm.token_ids == run(reference, *second).token_ids
 
@@ -224,5 +224,5 @@ def test_disk_tier_serves_bodies_after_a_restart(
     assert restarted.cache_stats()["chunk_disk_hits"] == 2
     # a restart with chunk reuse off ignores the tier entirely
     off = make_engine(request, chunk_disk_dir=disk, enable_chunk_reuse=False)
-    assert off.disk_tier is None
+    assert off.chunk_tiers.disk is None
     restarted.close()

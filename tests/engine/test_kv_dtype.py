@@ -147,12 +147,12 @@ def test_split_positions_stay_within_rounding_of_one_sweep(runners, prompt):
 def test_disk_tier_of_a_16bit_cache_is_its_own(request: pytest.FixtureRequest, tmp_path):
     f16 = make_engine(request, chunk_disk_dir=str(tmp_path / "kv"))
     f32 = make_engine(request, chunk_disk_dir=str(tmp_path / "kv"), kv_cache_dtype="float32")
-    fp16, fp32 = f16._model_fingerprint(), f32._model_fingerprint()
+    fp16, fp32 = f16.runner.kv_fingerprint(), f32.runner.kv_fingerprint()
     assert f16.runner.kv_dtype == torch.float16 and fp16["kv_dtype"] == "float16"
     # a float32 cache keeps the fingerprint (and the files) it had before 16-bit caches existed
     assert "kv_dtype" not in fp32
-    assert f16.disk_tier is not None and f32.disk_tier is not None
-    assert f16.disk_tier.path != f32.disk_tier.path
+    assert f16.chunk_tiers.disk is not None and f32.chunk_tiers.disk is not None
+    assert f16.chunk_tiers.disk.path != f32.chunk_tiers.disk.path
     # an entry's K/V leaves the pool and comes back bit for bit
     k = torch.randn(f16.runner.model_config.num_layers, 20, 3, 64).half()
     v = torch.randn_like(k, dtype=torch.float32).half()

@@ -7,7 +7,6 @@ import torch
 
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.config import EngineConfig
-from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.kernels.decode_step import MAX_ROWS
 
@@ -175,7 +174,6 @@ def test_int8_activations_is_a_bool_or_auto_and_in_the_cache_fingerprint(runners
     )
     assert not auto.int8_activations
     # KV written with int8 activations is not reused by an engine without them, and back
-    config = EngineConfig(model=packaged_llm_path(), block_size=BLOCK)
-    q8 = LLMEngine(config, runner=runners["native_q8"])._model_fingerprint()
-    exact = LLMEngine(config, runner=runners["native"])._model_fingerprint()
+    q8 = runners["native_q8"].kv_fingerprint()
+    exact = runners["native"].kv_fingerprint()
     assert q8 != exact and q8["activations"] == "int8" and "activations" not in exact
