@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-from tokenizers import Tokenizer as FastTokenizer
-from tokenizers.models import WordLevel
 
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine
@@ -47,18 +45,11 @@ NUM_KV_BLOCKS = 4096  # 64k tokens: the largest batch or one 16k prompt with roo
 MAX_BATCHED_TOKENS = 8192
 
 
-def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
-    """A word-level vocabulary ``<t0>``..``<tN>`` so the engine can detokenize random output."""
-    vocab = {f"<t{i}>": i for i in range(vocab_size)}
-    fast = FastTokenizer(WordLevel(vocab, unk_token="<t0>"))
-    return Tokenizer(fast, bos_token_id=None, eos_token_ids={vocab_size - 1}, chat_template=None)
-
-
 def build_runner(config: ModelConfig = LLAMA_31_8B, device: str = "cuda") -> ModelRunner:
     """The random-weight bf16 runner, with the device's default backend (Triton on CUDA)."""
     return ModelRunner.from_config(
         config,
-        synthetic_tokenizer(config.vocab_size),
+        Tokenizer.word_level(config.vocab_size),
         EngineConfig(
             model="<random weights>",
             block_size=BLOCK_SIZE,

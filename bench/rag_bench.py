@@ -178,6 +178,7 @@ RUNS = [  # the follow-up workload: (name, prefix cache, chunk reuse, chunk orde
 ]
 SCORE_RUNS = [("cache_on_score", True, False, "score"), ("cache_off_score", False, True, "score")]
 RESULTS = Path(__file__).parent / "results"
+MODEL = ""  # set by --model
 MODEL_CACHE = Path(".pytest_cache/d/prefixrag-engine-models")
 # the new-question and sweep apps hold ~20 prompts of ~750 tokens and their chunks (fp32 KV,
 # ~46 KB a token); less than the follow-up's so that seven apps fit in memory side by side
@@ -198,6 +199,8 @@ def make_settings(
 ) -> Settings:
     # None keeps the Settings default fraction; chunk reuse is off unless asked (today's engine)
     extra = {} if fraction is None else {"chunk_recompute_fraction": fraction}
+    if MODEL:  # --model: every app serves this GGUF instead of the packaged 135M
+        extra["llm"] = MODEL
     return Settings(
         data_dir=data_dir,
         embed_model=packaged_embedder_path(),
@@ -877,6 +880,8 @@ def parse_args() -> argparse.Namespace:
         "--parts", default="follow_up,new_questions,sweep", help="which workloads to run"
     )
     parser.add_argument("--quick", action="store_true", help="a ~5 minute smoke run")
+    parser.add_argument("--model", default="", help="a GGUF every app serves (default: 135M)")
+    parser.add_argument("--suffix", default="", help="results as rag_bench<suffix>.json/.png")
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads of every app (0: torch's default)"
     )
@@ -918,7 +923,9 @@ def chunked(items: list[Any], size: int) -> Iterable[list[Any]]:
 
 
 def main() -> None:
+    global MODEL
     args = parse_args()
+    MODEL = args.model
     if args.threads:
         # before any app starts: every engine of the run shares this process's thread pool
         torch.set_num_threads(args.threads)
@@ -973,11 +980,12 @@ def main() -> None:
     }
     payload = {"config": config, **payload, "reuse_goals": goals}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "rag_bench.json").write_text(json.dumps(payload, indent=2))
+    stem = f"rag_bench{args.suffix}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     if "per_question" in payload:
-        plot_follow_up(payload["per_question"], RESULTS / "rag_bench.png")
+        plot_follow_up(payload["per_question"], RESULTS / f"{stem}.png")
     if "new_questions" in payload or "fraction_sweep" in payload:
-        plot_reuse(payload, RESULTS / "rag_bench_reuse.png")
+        plot_reuse(payload, RESULTS / f"{stem}_reuse.png")
     if "summary" in payload:
         print_follow_up(payload["summary"], payload["goals"])
     if "new_questions" in payload:

@@ -157,6 +157,18 @@ class Tokenizer:
         return cls(backend, **meta)
 
     @classmethod
+    def word_level(cls, vocab_size: int) -> Tokenizer:
+        """A vocabulary of the words ``<t0>``..``<tN-1>``, the last one end-of-sequence: for
+        runners with random weights (ModelRunner.from_config), whose output it can detokenize."""
+        from tokenizers.models import WordLevel
+        from tokenizers.pre_tokenizers import WhitespaceSplit
+
+        vocab = {f"<t{i}>": i for i in range(vocab_size)}
+        backend = FastTokenizer(WordLevel(vocab, unk_token="<t0>"))
+        backend.pre_tokenizer = WhitespaceSplit()  # one word, one token
+        return cls(backend, bos_token_id=None, eos_token_ids={vocab_size - 1}, chat_template=None)
+
+    @classmethod
     def _from_cache(cls, cached: Path) -> Tokenizer:
         meta = _read_json(cached / "meta.json")
         meta["eos_token_ids"] = set(meta["eos_token_ids"])

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.kernels_engine import synthetic_tokenizer
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.decode_graphs import graph_batch_sizes
 from prefixrag.engine.llm_engine import LLMEngine
 from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.tokenizer import Tokenizer
 
 CONFIG = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 300, 512)
 BLOCK_SIZE = 16
@@ -25,7 +25,7 @@ BLOCK_SIZE = 16
 def _runner(device: str = "cpu", backend: str = "reference", dtype: str = "float32"):
     return ModelRunner.from_config(
         CONFIG,
-        synthetic_tokenizer(CONFIG.vocab_size),
+        Tokenizer.word_level(CONFIG.vocab_size),
         EngineConfig(
             model="<random weights>",
             num_kv_blocks=64,

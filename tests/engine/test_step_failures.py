@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from bench.kernels_engine import synthetic_tokenizer
 from prefixrag.engine.async_engine import AsyncEngine
 from prefixrag.engine.config import EngineConfig
 from prefixrag.engine.llm_engine import LLMEngine, StepFailedError
@@ -16,6 +15,7 @@ from prefixrag.engine.model_runner import ModelRunner
 from prefixrag.engine.outputs import GenerationDelta, GenerationResult
 from prefixrag.engine.sampling.params import SamplingParams
 from prefixrag.engine.sampling.sampler import Sampler
+from prefixrag.engine.tokenizer import Tokenizer
 
 VOCAB = 300
 PROMPTS = [[(7 * i + j) % 290 + 1 for i in range(13 + 5 * j)] for j in range(3)]
@@ -30,7 +30,7 @@ def _engine() -> LLMEngine:
     config = ModelConfig("llama", 2, 64, 128, 4, 2, 16, VOCAB, 512)
     runner = ModelRunner.from_config(
         config,
-        synthetic_tokenizer(VOCAB),
+        Tokenizer.word_level(VOCAB),
         EngineConfig(
             model="<random weights>",
             num_kv_blocks=32,

@@ -137,3 +137,10 @@ def test_a_fresh_conversion_builds_autotokenizers_backend(reference, tmp_path):
     cached = json.loads((next(tmp_path.glob("tokenizer-*")) / "tokenizer.json").read_text())
     assert cached == json.loads(reference.backend_tokenizer.to_str())
     assert fresh.encode(TEXTS[0]) == reference.encode(TEXTS[0], add_special_tokens=False)
+
+
+def test_a_word_level_vocabulary_round_trips_its_words() -> None:
+    tok = Tokenizer.word_level(6)
+    ids = tok.encode("<t1> <t3> <t5>", add_special_tokens=False)
+    assert ids == [1, 3, 5] and tok.eos_token_ids == {5} and tok.bos_token_id is None
+    assert tok.decode([1, 3]).split() == ["<t1>", "<t3>"]

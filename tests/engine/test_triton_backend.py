@@ -9,7 +9,6 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from bench.kernels_engine import synthetic_tokenizer
 from prefixrag.app.core.settings import packaged_llm_path
 from prefixrag.engine.attention.cpu_backend import NativeAttention
 from prefixrag.engine.attention.factory import make_backend
@@ -22,6 +21,7 @@ from prefixrag.engine.model_config import ModelConfig
 from prefixrag.engine.model_runner import ModelRunner, StepItem
 from prefixrag.engine.outputs import GenerationResult
 from prefixrag.engine.sampling.params import SamplingParams
+from prefixrag.engine.tokenizer import Tokenizer
 from tests.engine.llm_fixtures import make_engine, model_cache_dir
 
 HAS_CUDA = torch.cuda.is_available()
@@ -55,7 +55,7 @@ def test_random_weight_runner_with_kernel_references_matches_torch():
     runners = [
         ModelRunner.from_config(
             config,
-            synthetic_tokenizer(300),
+            Tokenizer.word_level(300),
             EngineConfig(
                 model="<random weights>",
                 num_kv_blocks=8,
