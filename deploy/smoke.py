@@ -1,6 +1,7 @@
 """Smoke test of the compose deployment, against real containers:
 
-    python3 deploy/smoke.py [--local]     (--local: docker-compose.local.yml, after local-images.sh)
+    python3 deploy/smoke.py [--local] [--ray]
+    (--local: docker-compose.local.yml, after local-images.sh; --ray: the Ray profile instead)
 
 Starts dockerd if none answers; `up --build -d` and waits for both health checks; uploads a
 document and asks a question with the answer streamed over SSE on 127.0.0.1; restarts the app and
@@ -29,7 +30,7 @@ PORT = int(os.environ.get("APP_PORT", "18000"))
 BASE = f"http://127.0.0.1:{PORT}"
 
 
-def compose_cmd(local: bool) -> list[str]:
+def compose_cmd(local: bool, ray: bool = False) -> list[str]:
     """`docker compose` where the plugin is installed, else docker-compose v1."""
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         cmd = ["docker", "compose"]
@@ -37,7 +38,8 @@ def compose_cmd(local: bool) -> list[str]:
         cmd = ["docker-compose"]
     else:
         sys.exit("neither `docker compose` nor docker-compose is installed")
-    files = ["docker-compose.yml"] + (["docker-compose.local.yml"] if local else [])
+    files = ["docker-compose.yml"] + (["docker-compose.ray.yml"] if ray else [])
+    files += ["docker-compose.local.yml"] if local else []
     return cmd + ["-p", PROJECT] + [a for f in files for a in ("-f", str(REPO / f))]
 
 
@@ -111,6 +113,18 @@ def disk_tier_entries() -> float:
     return 0.0
 
 
+def assert_nothing_left() -> None:
+    # containers, volumes and networks that still carry the project's label
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = "".join(
+        subprocess.run(
+            ["docker", *kind, "-q", "--filter", label], capture_output=True, text=True
+        ).stdout
+        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"])
+    )
+    assert not left.strip(), f"left behind: {left}"
+
+
 def run(local: bool) -> None:
     ensure_dockerd()
     compose = compose_cmd(local)
@@ -166,19 +180,52 @@ def run(local: bool) -> None:
     finally:
         subprocess.run([*compose, "logs", "--tail", "40", "app"], env=env, cwd=REPO)
         subprocess.run([*compose, "down", "-v"], env=env, cwd=REPO)
-    # containers, volumes and networks that still carry the project's label
-    label = f"label=com.docker.compose.project={PROJECT}"
-    left = "".join(
-        subprocess.run(
-            ["docker", *kind, "-q", "--filter", label], capture_output=True, text=True
-        ).stdout
-        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"])
-    )
-    assert not left.strip(), f"left behind: {left}"
+    assert_nothing_left()
     print("smoke test passed", flush=True)
+
+
+def run_ray(local: bool) -> None:
+    """The Ray profile: a head and a worker, one engine replica each, and the app joined to
+    them; up to healthy, /readyz lists both replicas, a question is answered, down -v."""
+    ensure_dockerd()
+    compose = compose_cmd(local, ray=True)
+    env = {**os.environ, "APP_PORT": str(PORT)}
+    sh = lambda *a: subprocess.run([*compose, *a], check=True, env=env, cwd=REPO)  # noqa: E731
+    try:
+        start = time.monotonic()
+        if local:
+            # the three services share one image: built once from the local base and wheels
+            # (the ray file's build args name no base, so compose itself would pull one)
+            build = ["docker", "build", "-t", "prefixrag:ray", "--build-arg", "EXTRAS=ray"]
+            build += ["--build-arg", "BASE_IMAGE=local/debian:bookworm"]
+            build += ["--build-arg", "WHEELHOUSE=deploy/wheels", "."]
+            subprocess.run(build, check=True, cwd=REPO)
+        else:
+            sh("build")
+        print(f"ray image built in {time.monotonic() - start:.0f}s", flush=True)
+        start = time.monotonic()
+        sh("up", "-d", "--no-build")
+        wait_for(lambda: healthy(compose, "app"), 600, "the app and both replicas")
+        print(f"ray profile up to healthy in {time.monotonic() - start:.0f}s", flush=True)
+        status, body = request("GET", "/readyz")
+        assert status == 200, (status, body)
+        replicas = json.loads(body)["replicas"]
+        print(f"replicas: {[(r.get('name'), r.get('state')) for r in replicas]}", flush=True)
+        assert len(replicas) == 2, replicas
+        doc = {"text": "The ferry to Hven leaves Landskrona at nine. " * 20, "title": "ferry"}
+        status, body = request("POST", "/v1/documents?wait=true", doc)
+        assert status == 201, (status, body)
+        print(f"answer: {ask('When does the ferry to Hven leave?')!r}", flush=True)
+    finally:
+        subprocess.run([*compose, "logs", "--tail", "40", "app"], env=env, cwd=REPO)
+        subprocess.run([*compose, "down", "-v"], env=env, cwd=REPO)
+    assert_nothing_left()
+    print("ray smoke test passed", flush=True)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--local", action="store_true", help="use docker-compose.local.yml")
-    run(parser.parse_args().local)
+    parser.add_argument("--ray", action="store_true", help="the Ray profile, 2 replicas")
+    args = parser.parse_args()
+    (run_ray if args.ray else run)(args.local)

@@ -27,11 +27,19 @@ def _docker_can_run() -> str | None:
     return None
 
 
-def test_compose_deployment_smoke() -> None:
+def _smoke(*extra: str) -> None:
     reason = _docker_can_run()
     if reason is not None:
         pytest.skip(reason)
     # --local: the images deploy/local-images.sh makes, for machines without Docker Hub
     local = os.environ.get("PREFIXRAG_COMPOSE_LOCAL", "1") == "1"
     args = [sys.executable, str(REPO / "deploy" / "smoke.py"), *(["--local"] if local else [])]
-    subprocess.run(args, check=True, timeout=3000, cwd=REPO)
+    subprocess.run([*args, *extra], check=True, timeout=3000, cwd=REPO)
+
+
+def test_compose_deployment_smoke() -> None:
+    _smoke()
+
+
+def test_ray_profile_comes_up_with_two_replicas() -> None:
+    _smoke("--ray")
