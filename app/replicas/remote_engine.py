@@ -151,7 +151,8 @@ def list_replicas() -> list[dict[str, Any]]:
     return [
         {
             "replica_id": r["replica_id"],
-            "state": str(r["state"]),
+            # the state's name (RUNNING), not the enum's repr (ReplicaState.RUNNING)
+            "state": str(getattr(r["state"], "value", r["state"])),
             "pid": r.get("pid"),
             "actor_name": r.get("actor_name"),
             "node_id": r.get("node_id"),
