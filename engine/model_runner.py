@@ -229,42 +229,29 @@ class ModelRunner:
         dense_prefill_bytes: int = DEFAULT_DENSE_PREFILL_BYTES,
         memory_limit_bytes: int | None = None,
     ) -> None:
-        # the fields this runner reads, under the names the code below uses
-        block_size, num_blocks = engine.block_size, engine.num_kv_blocks
-        kv_cache_bytes = int(engine.kv_cache_gb * 2**30) or None
-        gpu_memory_fraction = engine.gpu_memory_fraction
-        chunk_host_bytes = engine.chunk_host_bytes
-        device, dtype = resolve_device(engine.device), engine.dtype
-        weight_quant, backend = engine.weight_quant, engine.attention_backend
-        max_model_len, kv_cache_dtype = engine.max_model_len, engine.kv_cache_dtype
-        int8_activations = engine.int8_activations
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not 0 < gpu_memory_fraction <= 1:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
-        self.device = torch.device(device)
+        self.device = resolve_device(engine.device)
         if self.device.type == "cpu":
             retain_freed_memory()  # prefill buffers come back without page faults
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(engine.dtype, self.device)
         self.weight_quant = resolve_weight_quant(
-            weight_quant, self.device, self.dtype, self.model_path
+            engine.weight_quant, self.device, self.dtype, self.model_path
         )
-        self.block_size = block_size
+        self.block_size = block_size = engine.block_size
         self.model_config: ModelConfig = config
         self.dense_prefill_bytes = dense_prefill_bytes
         self.dense_weight_bytes = (
             0  # kept beside GGUF block weights (see keep_dense_block_weights_)
         )
-        self.max_model_len = min(config.max_position_embeddings, max_model_len or 1 << 62)
+        self.max_model_len = min(config.max_position_embeddings, engine.max_model_len or 1 << 62)
         # The backend comes first: a kernel backend also decides the model's norm and RoPE ops.
-        self.backend = make_backend(backend, self.device, self.dtype)
+        self.backend = make_backend(engine.attention_backend, self.device, self.dtype)
         # blended prefill's later layers: queries at scattered positions over the paged cache
-        self.scattered_backend = make_scattered_attention(backend, self.device)
+        self.scattered_backend = make_scattered_attention(engine.attention_backend, self.device)
         self.model = self._build_model(config, tensors, seed)
-        self.int8_activations = resolve_int8_activations(int8_activations, self.model)
+        self.int8_activations = resolve_int8_activations(engine.int8_activations, self.model)
         self.scale = config.head_dim**-0.5
         self.kv_dtype = resolve_kv_dtype(
-            kv_cache_dtype,
+            engine.kv_cache_dtype,
             self.dtype,
             self.device,
             can_narrow=isinstance(self.backend, NativeAttention | TorchAttention),
@@ -277,11 +264,12 @@ class ModelRunner:
         available = memory_limit_bytes or (available_memory() if on_cpu else 0)
         fixed = MemoryPlan(
             self.mapped_weight_bytes, self.copied_weight_bytes, self.dense_weight_bytes, 0,
-            chunk_host_bytes, self._scratch_bytes(config), available,
+            engine.chunk_host_bytes, self._scratch_bytes(config), available,
         )  # fmt: skip
+        num_blocks = engine.num_kv_blocks
         if num_blocks is None:
             block_bytes = block_size * self.kv_bytes_per_token
-            budget = kv_cache_bytes or (
+            budget = int(engine.kv_cache_gb * 2**30) or (
                 kv_budget_from_left(
                     available,
                     fixed.total,
@@ -290,7 +278,7 @@ class ModelRunner:
                     floor=block_bytes,
                 )
                 if on_cpu
-                else self._default_kv_budget(gpu_memory_fraction)
+                else self._default_kv_budget(engine.gpu_memory_fraction)
             )
             num_blocks = num_blocks_for_budget(
                 budget, block_size=block_size, kv_bytes_per_token=self.kv_bytes_per_token

@@ -62,12 +62,11 @@ class Scope:
         document filter reads only those documents' chunk ids.
         """
         tenant, collection = self.tenant, self.collection
-        if self.document_ids is not None:
-            return _ready_chunk_ids(session, self)
-        if tenant is None:
-            if collection is None:
-                return None
-            # no tenant (the CLI's all-tenants view): every tenant's collection of that name
+        if tenant is None and collection is None and self.document_ids is None:
+            return None
+        # a document filter, or no tenant (the CLI's all-tenants view, every tenant's collection
+        # of that name): read those ids
+        if self.document_ids is not None or tenant is None:
             return _ready_chunk_ids(session, self)
         if collection is None and not _has_other_tenants(session, tenant):
             return None
